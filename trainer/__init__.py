@@ -1,0 +1,39 @@
+"""A small event-driven PyTorch training loop with ordered listeners and safetensors checkpoints.
+
+``trainer`` knows nothing about continual learning; ``renate_events`` builds on it.
+
+Example:
+    >>> from trainer import Trainer
+    >>> trainer = Trainer(max_epochs=3)
+"""
+
+from trainer.checkpoint import ListenerState, read_checkpoint, write_checkpoint
+from trainer.events import EVENTS, Events, EventSignal
+from trainer.exceptions import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ListenerError,
+    SubscriptionError,
+    TrainerError,
+)
+from trainer.trainer import FitResult, StepOutput, Trainer, TrainState
+
+__all__ = [
+    "EVENTS",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "EventSignal",
+    "Events",
+    "FitResult",
+    "ListenerError",
+    "ListenerState",
+    "StepOutput",
+    "SubscriptionError",
+    "TrainState",
+    "Trainer",
+    "TrainerError",
+    "read_checkpoint",
+    "write_checkpoint",
+]

@@ -1,0 +1,151 @@
+"""Helpers the loop calls: devices, batch moves, precision, RNG states and state-dict encoding."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from trainer.exceptions import CheckpointFormatError
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; anything else goes to ``torch.device``."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be 'auto', a torch.device or a device string such as 'cpu' or 'cuda:0'; "
+            f"got {device!r}"
+        ) from exc
+
+
+def make_mover(device: torch.device) -> Callable[[Any], Any]:
+    """A function that moves nested tuples, lists and dicts of tensors to ``device``.
+
+    On CUDA, tensors in pinned memory are copied with ``non_blocking=True``.
+    """
+    cuda = device.type == "cuda"
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device == device:
+                return value
+            return value.to(device, non_blocking=cuda and value.is_pinned())
+        if isinstance(value, (list, tuple)):
+            moved = [move(item) for item in value]
+            if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+                return type(value)(*moved)
+            return type(value)(moved) if isinstance(value, tuple) else moved
+        if isinstance(value, Mapping):
+            return {key: move(item) for key, item in value.items()}
+        return value
+
+    return move
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
+    """A zero-argument factory of the context manager that the step runs under."""
+    if precision == "32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the first tensor in a nested batch (1 when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size:
+                return size
+    return 1
+
+
+# -- RNG -----------------------------------------------------------------------------------------
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Torch (CPU and every CUDA device), Python ``random`` and, if imported, NumPy's global RNG."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and "numpy" in state:
+        saved = state["numpy"]
+        numpy.random.set_state(
+            (
+                saved["name"],
+                saved["keys"].numpy().astype("uint32"),
+                saved["pos"],
+                saved["has_gauss"],
+                saved["cached_gaussian"],
+            )
+        )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (all devices), Python ``random`` and, if imported, NumPy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+# -- optimizer state dicts -----------------------------------------------------------------------
+
+
+def optimizer_state_to_tree(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizer ``state_dict()`` with its integer parameter ids as string keys (JSON needs str)."""
+    return {
+        "state": {str(index): dict(value) for index, value in state_dict["state"].items()},
+        "param_groups": [dict(group) for group in state_dict["param_groups"]],
+    }
+
+
+def optimizer_state_from_tree(tree: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """Inverse of :func:`optimizer_state_to_tree`."""
+    try:
+        return {
+            "state": {int(index): dict(value) for index, value in tree["state"].items()},
+            "param_groups": [dict(group) for group in tree["param_groups"]],
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointFormatError(f"{path}: the optimizer section is malformed ({exc})") from exc

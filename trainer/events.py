@@ -1,0 +1,508 @@
+"""The event vocabulary of :class:`trainer.Trainer`, declared once, and its ordered dispatch.
+
+One ``fit`` publishes, in this order::
+
+    train_start
+      ( epoch_start
+          ( batch_start  [step(batch), backward, optimizer step]  batch_end )*
+        epoch_end
+        [ validation_start  [val_step(batch) for every validation batch]  validation_end ] )*
+    train_end
+
+plus ``save_checkpoint`` / ``load_checkpoint`` whenever the trainer writes or reads state, and
+``exception`` when a run fails (then the error propagates).
+
+Every event is a :class:`blinker.Signal` owned by one trainer (``trainer.events.batch_end``), so two
+trainers never see each other's events. Receivers are called with keyword arguments only, and each
+receives just the keywords its signature names (see :data:`EVENTS` for what each event offers).
+Receivers run in a deterministic order: higher ``priority`` first, then in the order they were
+connected. The trainer holds strong references to them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import itertools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import blinker
+
+from trainer.exceptions import ListenerError, SubscriptionError
+
+__all__ = ["EVENTS", "HOOK_ALIASES", "EventSignal", "EventSpec", "Events", "Subscription"]
+
+_COMMON = ("sender", "trainer", "model", "optimizer", "state")
+
+
+@attrs.frozen
+class EventSpec:
+    """What one event is: its name, the keywords it offers and when it fires.
+
+    Attributes:
+        name: The event's name; a listener method ``on_<name>`` receives it.
+        payload: The keywords a receiver may declare.
+        doc: When the event fires and what its own keywords hold.
+        scoped: Keywords whose value is made per listener (the ``checkpoint`` namespace).
+    """
+
+    name: str
+    payload: frozenset[str]
+    doc: str
+    scoped: frozenset[str] = frozenset()
+
+
+def _spec(name: str, extra: tuple[str, ...], doc: str, scoped: tuple[str, ...] = ()) -> EventSpec:
+    return EventSpec(name, frozenset(_COMMON + extra), doc, frozenset(scoped))
+
+
+EVENTS: dict[str, EventSpec] = {
+    spec.name: spec
+    for spec in (
+        _spec(
+            "train_start",
+            ("train_loader", "scheduler"),
+            "Once per fit, after the model is on its device, before the first epoch "
+            "(after the checkpoint is loaded when resuming).",
+        ),
+        _spec("epoch_start", (), "At the start of every epoch; ``state.epoch`` is its index."),
+        _spec(
+            "batch_start",
+            ("batch",),
+            "Before ``step(batch)``; ``batch`` is already on the device, ``state.batch_idx`` is "
+            "its index in the epoch.",
+        ),
+        _spec(
+            "batch_end",
+            ("batch", "outputs", "loss"),
+            "After the backward pass and, when one was due, the optimizer step. ``outputs`` is the "
+            'mapping ``step`` returned (``{"loss": loss}`` for a bare tensor), ``loss`` the loss '
+            "tensor, still on the device. ``state.global_step`` counts this batch.",
+        ),
+        _spec("epoch_end", (), "After the last batch of an epoch, before its validation."),
+        _spec(
+            "validation_start",
+            ("val_loader",),
+            "Before a validation pass, in eval mode under ``torch.no_grad()``.",
+        ),
+        _spec(
+            "validation_end",
+            ("metrics",),
+            "After a validation pass; ``metrics`` maps names to Python floats (batch-size "
+            "weighted means of what ``val_step`` returned). The model is back in train mode after.",
+        ),
+        _spec("train_end", ("result",), "Once per fit that finished; ``result`` is the FitResult."),
+        _spec(
+            "save_checkpoint",
+            ("checkpoint", "path"),
+            "While a checkpoint is being assembled, before anything is written. ``checkpoint`` is "
+            "this listener's own writable namespace (a ListenerState).",
+            scoped=("checkpoint",),
+        ),
+        _spec(
+            "load_checkpoint",
+            ("checkpoint", "path"),
+            "After a checkpoint was read and checked against the model and optimizer. "
+            "``checkpoint`` is this listener's own read-only namespace.",
+            scoped=("checkpoint",),
+        ),
+        _spec(
+            "exception",
+            ("exception", "event", "listener"),
+            "When a fit fails, before the error propagates. ``event`` and ``listener`` name where "
+            "a listener failed (``None`` when the failure came from elsewhere).",
+        ),
+    )
+}
+"""Every event by name. The common keywords of all events are ``sender`` and ``trainer`` (the
+trainer), ``model``, ``optimizer`` and ``state`` (the :class:`~trainer.TrainState`)."""
+
+HOOK_ALIASES: dict[str, str] = {"on_train_batch_end": "batch_end"}
+"""Method names kept from Renate's component hooks, mapped to the event they receive."""
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+class _Receiver:
+    """One connected callable with what it needs from the payload."""
+
+    __slots__ = ("call", "key", "live", "names", "priority", "seq", "takes_all")
+
+    def __init__(self, call: Callable[..., Any], key: str, priority: int, seq: int) -> None:
+        self.call = call
+        self.key = key
+        self.priority = priority
+        self.seq = seq
+        self.live = True
+        self.names: tuple[str, ...] = ()
+        self.takes_all = False
+
+
+@attrs.define(eq=False)
+class Subscription:
+    """A subscribed listener or connected function and its receivers."""
+
+    target: Any
+    key: str
+    priority: int
+    seq: int
+    receivers: dict[str, _Receiver] = attrs.field(factory=dict)
+
+    @property
+    def events(self) -> frozenset[str]:
+        """The events this subscription receives."""
+        return frozenset(self.receivers)
+
+
+class EventSignal(blinker.Signal):
+    """A blinker signal whose receivers run in a fixed order and get only the keywords they name.
+
+    Plain blinker calls receivers in the iteration order of a ``set`` and holds weak references;
+    this subclass keeps strong references and calls receivers by descending ``priority`` and then
+    connection order. It is created by :class:`Events`; use ``trainer.events.<name>``.
+
+    Example:
+        >>> from trainer import Trainer
+        >>> trainer = Trainer()
+        >>> def report(state):
+        ...     print(state.epoch)
+        >>> _ = trainer.events.epoch_end.connect(report)
+    """
+
+    def __init__(self, spec: EventSpec, registry: Events) -> None:
+        super().__init__(spec.doc)
+        self.name = spec.name
+        self.spec = spec
+        self._registry = registry
+        self._ordered: tuple[_Receiver, ...] = ()
+        self.active = False
+        """True while at least one receiver is connected; check it before building a payload."""
+
+    def connect(  # type: ignore[override]
+        self,
+        receiver: Callable[..., Any],
+        sender: Any = blinker.ANY,
+        weak: bool = False,
+        *,
+        priority: int = 0,
+        name: str | None = None,
+    ) -> Callable[..., Any]:
+        """Connect a function to this event.
+
+        Args:
+            receiver: A callable whose parameters are keywords of this event's payload.
+            sender: Only ``blinker.ANY`` or the owning trainer (the signal belongs to one trainer).
+            weak: Must stay False: the trainer keeps receivers alive.
+            priority: Higher runs earlier; ties run in connection order.
+            name: Key of the function's checkpoint namespace; derived from its name if omitted.
+
+        Returns:
+            ``receiver``, so that this works as a decorator through :meth:`connect_via`.
+
+        Raises:
+            SubscriptionError: When the receiver's parameters do not fit this event's payload.
+        """
+        if weak:
+            raise SubscriptionError(
+                "trainer signals hold strong references so that listeners are not garbage "
+                "collected mid-run; connect without weak=True"
+            )
+        if sender is not blinker.ANY and sender is not self._registry.owner:
+            raise SubscriptionError(
+                f"event {self.name!r} belongs to one trainer and is only sent by it; connect with "
+                f"the default sender, not {sender!r}"
+            )
+        self._registry.connect_function(self.name, receiver, priority=priority, name=name)
+        return receiver
+
+    def disconnect(self, receiver: Callable[..., Any], sender: Any = blinker.ANY) -> None:
+        """Disconnect a function connected with :meth:`connect`."""
+        self._registry.disconnect_function(self.name, receiver)
+
+    def _attach(self, receiver: _Receiver) -> None:
+        super().connect(receiver.call, blinker.ANY, weak=False)
+        self._reorder((*self._ordered, receiver))
+
+    def _detach(self, receiver: _Receiver) -> None:
+        receiver.live = False
+        super().disconnect(receiver.call, blinker.ANY)
+        self._reorder(tuple(r for r in self._ordered if r is not receiver))
+
+    def _reorder(self, receivers: tuple[_Receiver, ...]) -> None:
+        self._ordered = tuple(sorted(receivers, key=lambda r: (-r.priority, r.seq)))
+        self.active = bool(self._ordered)
+
+    @property
+    def ordered_receivers(self) -> list[tuple[str, Callable[..., Any]]]:
+        """``(key, callable)`` of every receiver, in the order they are called."""
+        return [(r.key, r.call) for r in self._ordered]
+
+    def send(self, sender: Any = None, /, **payload: Any) -> list[tuple[Callable[..., Any], Any]]:  # type: ignore[override]
+        """Call every receiver in order with the keywords it declared.
+
+        Returns:
+            ``(receiver, return value)`` pairs, as blinker's ``send`` does.
+
+        Raises:
+            ListenerError: When a receiver raises; the original error is chained.
+        """
+        results = []
+        scoped = self.spec.scoped
+        for receiver in self._ordered:
+            if not receiver.live:  # unsubscribed by an earlier receiver of this same event
+                continue
+            if receiver.takes_all:
+                kwargs = payload
+            else:
+                kwargs = {name: payload[name] for name in receiver.names}
+            if scoped:
+                kwargs = dict(kwargs)
+                for name in scoped:
+                    if name in kwargs:
+                        kwargs[name] = kwargs[name].for_listener(receiver.key)
+            try:
+                value = receiver.call(**kwargs)
+            except Exception as exc:
+                raise ListenerError(
+                    f"listener {receiver.key!r} raised {type(exc).__name__} in event "
+                    f"{self.name!r}: {exc}",
+                    event=self.name,
+                    listener=receiver.key,
+                ) from exc
+            results.append((receiver.call, value))
+        return results
+
+
+class Events:
+    """The signals of one trainer, one attribute per event, and the subscription registry."""
+
+    train_start: EventSignal
+    epoch_start: EventSignal
+    batch_start: EventSignal
+    batch_end: EventSignal
+    epoch_end: EventSignal
+    validation_start: EventSignal
+    validation_end: EventSignal
+    train_end: EventSignal
+    save_checkpoint: EventSignal
+    load_checkpoint: EventSignal
+    exception: EventSignal
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self._counter = itertools.count()
+        self._by_key: dict[str, Subscription] = {}
+        self._by_id: dict[int, Subscription] = {}
+        self.signals: dict[str, EventSignal] = {
+            name: EventSignal(spec, self) for name, spec in EVENTS.items()
+        }
+        for name, signal in self.signals.items():
+            setattr(self, name, signal)
+
+    def __iter__(self) -> Iterator[EventSignal]:
+        return iter(self.signals.values())
+
+    # -- subscriptions -------------------------------------------------------------------------
+
+    def subscriptions(self) -> list[Subscription]:
+        """Every subscription in dispatch order (descending priority, then subscription order)."""
+        return sorted(self._by_key.values(), key=lambda s: (-s.priority, s.seq))
+
+    def subscription_of(self, target: Any) -> Subscription | None:
+        """The subscription of a listener or function, or None."""
+        return self._by_id.get(id(target))
+
+    def subscribe(self, listener: Any, *, priority: int = 0, name: str | None = None) -> str:
+        """Connect every ``on_<event>`` method of ``listener``; return its checkpoint key."""
+        hooks = _find_hooks(listener)
+        if not hooks:
+            raise SubscriptionError(
+                f"{type(listener).__qualname__} defines no hook methods; name them on_<event> "
+                f"with an event from {sorted(EVENTS)}"
+            )
+        return self._add(listener, hooks, priority, name)
+
+    def connect_function(
+        self, event: str, function: Callable[..., Any], *, priority: int, name: str | None
+    ) -> str:
+        """Connect one callable to one event; return its checkpoint key.
+
+        The same function may be connected to several events; it keeps one key.
+        """
+        if not callable(function):
+            raise SubscriptionError(f"can only connect callables to {event!r}, got {function!r}")
+        existing = self._by_id.get(id(function))
+        if existing is None or existing.target is not function:
+            return self._add(function, {event: function}, priority, name)
+        if event in existing.receivers:
+            raise SubscriptionError(f"{_describe(function)} is already connected to {event!r}")
+        if name is not None and name != existing.key:
+            raise SubscriptionError(
+                f"{_describe(function)} is already connected as {existing.key!r}; "
+                f"it cannot take a second name {name!r}"
+            )
+        receiver = self._make_receiver(function, event, existing.key, priority)
+        existing.receivers[event] = receiver
+        self.signals[event]._attach(receiver)
+        return existing.key
+
+    def disconnect_function(self, event: str, function: Callable[..., Any]) -> None:
+        """Disconnect ``function`` from one event."""
+        subscription = self._by_id.get(id(function))
+        if subscription is None or event not in subscription.receivers:
+            raise SubscriptionError(f"{_describe(function)} is not connected to {event!r}")
+        if len(subscription.receivers) == 1:
+            self.unsubscribe(function)
+            return
+        self.signals[event]._detach(subscription.receivers.pop(event))
+
+    def unsubscribe(self, target: Any) -> None:
+        """Disconnect every receiver of a listener or function; it receives nothing more."""
+        subscription = self._by_id.pop(id(target), None)
+        if subscription is None:
+            raise SubscriptionError(f"{_describe(target)} is not subscribed to this trainer")
+        del self._by_key[subscription.key]
+        for event, receiver in subscription.receivers.items():
+            self.signals[event]._detach(receiver)
+
+    def _add(
+        self, target: Any, hooks: dict[str, Callable[..., Any]], priority: int, name: str | None
+    ) -> str:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise SubscriptionError(f"priority must be an int, got {priority!r}")
+        existing = self._by_id.get(id(target))
+        if existing is not None:
+            raise SubscriptionError(
+                f"{_describe(target)} is already subscribed as {existing.key!r}; unsubscribe it "
+                "first to change its priority or name"
+            )
+        key = self._key_for(target, name)
+        seq = next(self._counter)
+        subscription = Subscription(target, key, priority, seq)
+        # Check every hook before connecting any, so that a failed subscribe changes nothing.
+        for event, call in hooks.items():
+            subscription.receivers[event] = self._make_receiver(call, event, key, priority, seq)
+        self._by_key[key] = subscription
+        self._by_id[id(target)] = subscription
+        for event, receiver in subscription.receivers.items():
+            self.signals[event]._attach(receiver)
+        return key
+
+    def _key_for(self, target: Any, name: str | None) -> str:
+        if name is not None:
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise SubscriptionError(
+                    f"listener name {name!r} is not valid: use letters, digits, '_' and '-', "
+                    "starting with a letter or '_' (no dots: they separate checkpoint keys)"
+                )
+            if name in self._by_key:
+                raise SubscriptionError(
+                    f"the name {name!r} is already taken by "
+                    f"{_describe(self._by_key[name].target)}; give each listener a distinct name"
+                )
+            return name
+        if _is_listener_object(target):
+            base = type(target).__name__
+        else:
+            base = getattr(target, "__name__", None) or type(target).__name__
+        base = _snake(base)
+        for i in itertools.count():  # pragma: no branch - always returns
+            key = f"{base}_{i}"
+            if key not in self._by_key:
+                return key
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _make_receiver(
+        self,
+        call: Callable[..., Any],
+        event: str,
+        key: str,
+        priority: int,
+        seq: int | None = None,
+    ) -> _Receiver:
+        receiver = _Receiver(call, key, priority, next(self._counter) if seq is None else seq)
+        receiver.names, receiver.takes_all = _accepted(call, EVENTS[event], key)
+        return receiver
+
+
+def _is_listener_object(target: Any) -> bool:
+    return not (inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target))
+
+
+def _snake(name: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "listener"
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    return name if name[0].isalpha() or name[0] == "_" else f"_{name}"
+
+
+def _describe(target: Any) -> str:
+    if _is_listener_object(target):
+        return f"listener {type(target).__qualname__} at {id(target):#x}"
+    return f"function {getattr(target, '__qualname__', target)!r}"
+
+
+def _find_hooks(listener: Any) -> dict[str, Callable[..., Any]]:
+    """Map event name to bound method for every ``on_*`` method; reject unknown names."""
+    hooks: dict[str, Callable[..., Any]] = {}
+    sources: dict[str, str] = {}
+    for attribute in dir(listener):
+        if not attribute.startswith("on_"):
+            continue
+        method = getattr(listener, attribute, None)
+        if not callable(method):
+            continue
+        event = HOOK_ALIASES.get(attribute, attribute[3:])
+        if event not in EVENTS:
+            known = [f"on_{e}" for e in EVENTS] + list(HOOK_ALIASES)
+            close = difflib.get_close_matches(attribute, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SubscriptionError(
+                f"{type(listener).__qualname__}.{attribute} matches no event{hint} "
+                f"Hook methods are on_<event> for the events {sorted(EVENTS)}, plus "
+                f"{sorted(HOOK_ALIASES)}"
+            )
+        if event in hooks:
+            raise SubscriptionError(
+                f"{type(listener).__qualname__} defines both {sources[event]} and {attribute}, "
+                f"which receive the same event {event!r}; keep one"
+            )
+        hooks[event] = method
+        sources[event] = attribute
+    return hooks
+
+
+def _accepted(call: Callable[..., Any], spec: EventSpec, key: str) -> tuple[tuple[str, ...], bool]:
+    """The payload keywords ``call`` declares, and whether it takes ``**kwargs``."""
+    try:
+        signature = inspect.signature(call)
+    except (TypeError, ValueError) as exc:
+        raise SubscriptionError(
+            f"cannot read the signature of {call!r} ({key!r}) for event {spec.name!r}: {exc}"
+        ) from exc
+    names: list[str] = []
+    takes_all = False
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            takes_all = True
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        elif parameter.name in spec.payload:
+            if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+                raise SubscriptionError(
+                    f"{_qualname(call)} ({key!r}) takes {parameter.name!r} positional-only; "
+                    "events pass their payload by keyword"
+                )
+            names.append(parameter.name)
+        elif parameter.default is inspect.Parameter.empty:
+            raise SubscriptionError(
+                f"{_qualname(call)} ({key!r}) has a parameter {parameter.name!r} that event "
+                f"{spec.name!r} does not provide; it provides {sorted(spec.payload)}"
+            )
+    return tuple(names), takes_all
+
+
+def _qualname(call: Callable[..., Any]) -> str:
+    return getattr(call, "__qualname__", repr(call))

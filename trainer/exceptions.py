@@ -1,0 +1,61 @@
+"""Exceptions raised by the ``trainer`` package.
+
+Every error the package raises on purpose derives from :class:`TrainerError`, so that a caller can
+catch them all in one place. Errors about bad arguments also derive from the built-in
+``ValueError`` or ``TypeError`` they specialise.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "ListenerError",
+    "SubscriptionError",
+    "TrainerError",
+]
+
+
+class TrainerError(Exception):
+    """Raised for any failure the ``trainer`` package detects itself."""
+
+
+class SubscriptionError(TrainerError, ValueError):
+    """Raised when a listener cannot be subscribed.
+
+    For example: a method ``on_<name>`` whose name matches no event, a hook parameter that no event
+    payload provides, a listener subscribed twice, or two listeners claiming the same name.
+    """
+
+
+class ListenerError(TrainerError):
+    """Raised when a listener (or a function connected to an event) raised while handling an event.
+
+    The original exception is chained as ``__cause__``. ``event`` and ``listener`` name where it
+    happened.
+    """
+
+    def __init__(self, message: str, *, event: str, listener: str) -> None:
+        super().__init__(message)
+        self.event = event
+        self.listener = listener
+
+
+class CheckpointError(TrainerError):
+    """Raised when a checkpoint cannot be written or read."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """Raised when a file is not a readable checkpoint of a supported format version.
+
+    Covers missing, truncated or corrupted files, files written by something else and format
+    versions this release does not know.
+    """
+
+
+class CheckpointMismatchError(CheckpointError):
+    """Raised when a readable checkpoint does not fit the live objects it is loaded into.
+
+    The message lists every missing or unexpected key and every shape or dtype mismatch at once.
+    """

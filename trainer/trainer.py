@@ -1,0 +1,750 @@
+"""The event-driven training loop."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import typing
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+from attrs import validators as v
+
+from trainer import _runtime
+from trainer.checkpoint import ListenerStates, read_checkpoint, write_checkpoint
+from trainer.events import EVENTS, Events
+from trainer.exceptions import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ListenerError,
+    SubscriptionError,
+)
+
+__all__ = ["FitResult", "StepOutput", "TrainState", "Trainer"]
+
+StepOutput = torch.Tensor | Mapping[str, Any]
+"""What a training step returns: the loss tensor, or a mapping with ``"loss"`` and anything else."""
+
+
+@attrs.define(eq=False)
+class TrainState:
+    """Where the loop is; every event's ``state`` keyword.
+
+    Attributes:
+        epoch: Index of the current epoch (0-based).
+        batch_idx: Index of the current batch within its epoch.
+        global_step: Training batches completed in this fit (resumed fits continue the count).
+        optimizer_steps: Optimizer steps taken (fewer than ``global_step`` with accumulation).
+        max_epochs: The epoch limit in force (None: unbounded, stop on ``max_steps``).
+        max_steps: The batch limit in force, or None.
+        should_stop: Set it to True from a listener to end the fit after the current batch.
+    """
+
+    epoch: int = 0
+    batch_idx: int = 0
+    global_step: int = 0
+    optimizer_steps: int = 0
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    should_stop: bool = False
+
+
+@attrs.frozen
+class FitResult:
+    """What :meth:`Trainer.fit` returns.
+
+    Attributes:
+        steps: Training batches completed (``state.global_step``).
+        optimizer_steps: Optimizer steps taken.
+        epochs: Epochs entered, counting a resumed epoch once.
+        metrics: ``"train_loss"`` (the last batch's loss) and the last validation metrics.
+        stopped_early: True when a listener set ``state.should_stop``.
+    """
+
+    steps: int
+    optimizer_steps: int
+    epochs: int
+    metrics: dict[str, float]
+    stopped_early: bool
+
+
+def _positive_or_none(name: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+    return check
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _one_of(*allowed: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name} must be one of {list(allowed)}, got {value!r}")
+
+    return check
+
+
+def _clip_value(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (
+        not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+    ):
+        raise ValueError(f"gradient_clip_val must be a number > 0 or None, got {value!r}")
+
+
+def _device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _runtime.resolve_device(value)
+
+
+@attrs.define(eq=False)
+class Trainer:
+    """A small training loop that announces each phase over blinker signals.
+
+    The caller supplies the model, the optimizer, the data and a ``step(batch)`` function that
+    returns the loss (or a mapping with ``"loss"``); the trainer moves batches to the device, runs
+    the step under the chosen precision, does backward, clipping, accumulation and the optimizer
+    and scheduler steps, validates, and saves or restores its whole state with safetensors.
+
+    Args:
+        max_epochs: Epochs per fit. None means 1 unless ``max_steps`` is set.
+        max_steps: Stop after this many training batches in total, or None.
+        device: ``"auto"`` (CUDA when available, else CPU), a ``torch.device`` or a string.
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a ``torch.amp.GradScaler``).
+        gradient_clip_val: Clip gradients to this norm or value, or None.
+        gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+        accumulate_grad_batches: Batches whose gradients are summed per optimizer step.
+        check_val_every_n_epoch: Validate after every n-th epoch when a ``val_loader`` is given.
+        seed: Seeds torch, ``random`` and (if imported) NumPy at the start of each fit that does
+            not resume from a checkpoint.
+
+    Example:
+        >>> import torch
+        >>> from trainer import Trainer
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+        >>> def step(batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> result = Trainer(max_epochs=2, device="cpu").fit(
+        ...     model, torch.optim.SGD(model.parameters(), lr=0.1), data, step)
+        >>> result.steps
+        6
+    """
+
+    max_epochs: int | None = attrs.field(default=None, validator=_positive_or_none("max_epochs"))
+    max_steps: int | None = attrs.field(default=None, validator=_positive_or_none("max_steps"))
+    device: str | torch.device = attrs.field(default="auto", validator=_device)
+    precision: str = attrs.field(default="32", validator=_one_of(*_runtime.PRECISIONS))
+    gradient_clip_val: float | None = attrs.field(default=None, validator=_clip_value)
+    gradient_clip_algorithm: str = attrs.field(default="norm", validator=_one_of("norm", "value"))
+    accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
+    check_val_every_n_epoch: int = attrs.field(default=1, validator=_positive_int)
+    seed: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
+
+    events: Events = attrs.field(
+        init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
+    )
+    """This trainer's signals, one attribute per event (``trainer.events.batch_end``)."""
+    state: TrainState = attrs.field(init=False, factory=TrainState, repr=False)
+    model: torch.nn.Module | None = attrs.field(init=False, default=None, repr=False)
+    optimizer: torch.optim.Optimizer | None = attrs.field(init=False, default=None, repr=False)
+    scheduler: Any = attrs.field(init=False, default=None, repr=False)
+    grad_scaler: torch.amp.GradScaler | None = attrs.field(init=False, default=None, repr=False)
+
+    _resume_at: tuple[int, int] = attrs.field(init=False, default=(0, 0), repr=False)
+    _epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+    _loaded_epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+    _accumulated: int = attrs.field(init=False, default=0, repr=False)
+
+    # -- listeners ------------------------------------------------------------------------------
+
+    def subscribe(self, listener: Any, priority: int = 0, *, name: str | None = None) -> str:
+        """Connect every ``on_<event>`` method of ``listener`` to this trainer's events.
+
+        Hooks are checked now: a method name that matches no event, or a parameter that the
+        event's payload does not provide, raises. ``on_train_batch_end`` is an alias of
+        ``on_batch_end``. The trainer keeps a strong reference until :meth:`unsubscribe`.
+
+        Args:
+            listener: Any object with ``on_<event>`` methods, typically an attrs class.
+            priority: Higher runs earlier; equal priorities run in subscription order.
+            name: Key of the listener's checkpoint namespace; derived from its class name and a
+                counter (``my_logger_0``, ``my_logger_1``) when omitted.
+
+        Returns:
+            The listener's key.
+
+        Raises:
+            SubscriptionError: When a hook does not fit, or the listener or name is taken.
+        """
+        return self.events.subscribe(listener, priority=priority, name=name)
+
+    def unsubscribe(self, listener: Any) -> None:
+        """Disconnect a listener (or a connected function) from every event."""
+        self.events.unsubscribe(listener)
+
+    @contextlib.contextmanager
+    def subscribed(
+        self, listener: Any, priority: int = 0, *, name: str | None = None
+    ) -> Iterator[Any]:
+        """Subscribe ``listener`` for the duration of a ``with`` block."""
+        self.subscribe(listener, priority, name=name)
+        try:
+            yield listener
+        finally:
+            if self.events.subscription_of(listener) is not None:
+                self.unsubscribe(listener)
+
+    def connect(
+        self,
+        event: str,
+        function: Callable[..., Any],
+        priority: int = 0,
+        *,
+        name: str | None = None,
+    ) -> Callable[..., Any]:
+        """Connect a plain function to one event (same as ``trainer.events.<event>.connect``)."""
+        if event not in EVENTS:
+            raise SubscriptionError(f"unknown event {event!r}; events are {sorted(EVENTS)}")
+        return self.events.signals[event].connect(function, priority=priority, name=name)
+
+    @property
+    def listeners(self) -> list[tuple[str, Any]]:
+        """``(key, listener)`` for every subscription, in dispatch order."""
+        return [(s.key, s.target) for s in self.events.subscriptions()]
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: Iterable[Any],
+        step: Callable[[Any], StepOutput],
+        *,
+        val_loader: Iterable[Any] | None = None,
+        val_step: Callable[[Any], StepOutput] | None = None,
+        scheduler: Any = None,
+        scheduler_interval: str = "epoch",
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> FitResult:
+        """Train ``model`` with ``step`` on ``train_loader``; the events mark each phase.
+
+        Args:
+            model: The module to train; moved to the trainer's device.
+            optimizer: Optimizer over the model's parameters.
+            train_loader: Any iterable of batches (nested tuples/lists/dicts of tensors).
+            step: ``step(batch)`` computes the loss of one batch; it returns the loss tensor or a
+                mapping with ``"loss"`` and anything listeners should see (``outputs``).
+            val_loader: Optional validation batches.
+            val_step: ``val_step(batch)`` returns a scalar tensor (reported as ``val_loss``) or a
+                mapping of scalars (each reported as ``val_<name>``). Defaults to the loss of
+                ``step``.
+            scheduler: Optional learning-rate scheduler, stepped per ``scheduler_interval``.
+            scheduler_interval: ``"epoch"`` (after each full epoch) or ``"step"`` (after each
+                optimizer step).
+            resume_from: A checkpoint to continue from (progress, RNG, optimizer, listeners).
+
+        Returns:
+            A :class:`FitResult`.
+
+        Raises:
+            ListenerError: A listener raised; the ``exception`` event fired first.
+        """
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(
+                f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}"
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric the trainer does not choose; step it from a "
+                "listener: def on_validation_end(self, metrics): sched.step(metrics['val_loss'])"
+            )
+        if not callable(step):
+            raise TypeError(f"step must be callable as step(batch), got {step!r}")
+        if val_step is None:
+
+            def val_step(batch: Any) -> StepOutput:
+                return _split_step_output(step(batch))[0]
+
+        device = _runtime.resolve_device(self.device)
+        model.to(device)
+        self._attach(model, optimizer, scheduler, device)
+        max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
+        state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
+        self._resume_at, self._loaded_epoch_rng, self._accumulated = (0, 0), None, 0
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        elif self.seed is not None:
+            _runtime.seed_everything(self.seed)
+        move = _runtime.make_mover(device)
+        autocast = _runtime.autocast_factory(self.precision, device)
+        ev = self.events
+        common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
+        common["state"] = state
+        try:
+            # Train start: the model is on its device and in train mode.
+            model.train()
+            if ev.train_start.active:
+                ev.train_start.send(self, train_loader=train_loader, scheduler=scheduler, **common)
+            epochs, last_loss, val_metrics = 0, None, {}
+            first_epoch, skip = self._resume_at
+            for epoch in itertools.count(first_epoch):
+                if self._finished(epoch):
+                    break
+                state.epoch, epochs = epoch, epochs + 1
+                # Epoch start: remember the RNG that orders this epoch's data (mid-epoch resume).
+                skip = skip if epoch == first_epoch else 0
+                self._epoch_rng = _runtime.get_rng_state() if skip == 0 else self._loaded_epoch_rng
+                if ev.epoch_start.active:
+                    ev.epoch_start.send(self, **common)
+                batches, length = self._epoch_batches(train_loader, skip)
+                for batch_idx, batch in enumerate(batches, start=skip):
+                    # Batch start: the batch is on the device.
+                    state.batch_idx = batch_idx
+                    batch = move(batch)
+                    if ev.batch_start.active:
+                        ev.batch_start.send(self, batch=batch, **common)
+                    # Forward (the caller's step) under the chosen precision, then backward.
+                    with autocast():
+                        outputs = step(batch)
+                    loss, outputs = _split_step_output(outputs)
+                    self._backward(loss)
+                    # Optimizer step when the accumulation window is full or the data ends.
+                    last = batch_idx + 1 == length or self._steps_left() == 1
+                    if self._accumulated == self.accumulate_grad_batches or last:
+                        self._optimizer_step(scheduler if scheduler_interval == "step" else None)
+                    state.global_step += 1
+                    self._resume_at = (epoch, batch_idx + 1)
+                    # Batch end: parameters are updated, the loss is still on the device.
+                    if ev.batch_end.active:
+                        ev.batch_end.send(self, batch=batch, outputs=outputs, loss=loss, **common)
+                    last_loss = loss
+                    if state.should_stop or self._steps_left() == 0:
+                        break
+                if self._accumulated:  # an iterable without len() ended mid-window
+                    self._optimizer_step(scheduler if scheduler_interval == "step" else None)
+                completed = state.batch_idx + 1 == length or (
+                    length is None and not state.should_stop and self._steps_left() != 0
+                )
+                if length == 0 or (length is None and last_loss is None):
+                    raise ValueError(
+                        "train_loader yielded no batches; give it data or check its sampler"
+                    )
+                # Epoch end: a full epoch steps an epoch-interval scheduler first.
+                if completed:
+                    if scheduler is not None and scheduler_interval == "epoch":
+                        scheduler.step()
+                    self._resume_at = (epoch + 1, 0)
+                if ev.epoch_end.active:
+                    ev.epoch_end.send(self, **common)
+                # Validation every n-th epoch, isolated from the training RNG stream.
+                if val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0:
+                    val_metrics = self._validate(
+                        model, val_loader, val_step, move, autocast, common
+                    )
+            # Train end.
+            metrics = dict(val_metrics)
+            if last_loss is not None:
+                metrics = {"train_loss": float(last_loss.detach().float()), **metrics}
+            result = FitResult(
+                steps=state.global_step,
+                optimizer_steps=state.optimizer_steps,
+                epochs=epochs,
+                metrics=metrics,
+                stopped_early=state.should_stop,
+            )
+            if ev.train_end.active:
+                ev.train_end.send(self, result=result, **common)
+            return result
+        except BaseException as exc:
+            self._announce_failure(exc, common)
+            raise
+
+    # -- loop helpers ---------------------------------------------------------------------------
+
+    def _attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        device: torch.device,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if self.precision == "16-mixed":
+            if self.grad_scaler is None or self.grad_scaler._device != device.type:
+                self.grad_scaler = torch.amp.GradScaler(device.type)
+        else:
+            self.grad_scaler = None
+
+    def _finished(self, epoch: int) -> bool:
+        state = self.state
+        if state.should_stop or self._steps_left() == 0:
+            return True
+        return state.max_epochs is not None and epoch >= state.max_epochs
+
+    def _steps_left(self) -> float:
+        if self.state.max_steps is None:
+            return math.inf
+        return self.state.max_steps - self.state.global_step
+
+    def _epoch_batches(self, loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], int | None]:
+        try:
+            length: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        if skip == 0:
+            return iter(loader), length
+        # Mid-epoch resume: replay the epoch's data order from its saved RNG, drop the batches
+        # already trained on, then continue with the RNG the checkpoint was taken with.
+        current = _runtime.get_rng_state()
+        if self._epoch_rng is not None:
+            _runtime.set_rng_state(self._epoch_rng)
+        iterator = iter(loader)
+        for _ in itertools.islice(iterator, skip):
+            pass
+        _runtime.set_rng_state(current)
+        return iterator, length
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.accumulate_grad_batches > 1:
+            loss = loss / self.accumulate_grad_batches
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        loss.backward()
+        self._accumulated += 1
+
+    def _optimizer_step(self, scheduler: Any) -> None:
+        optimizer, scaler = typing.cast(torch.optim.Optimizer, self.optimizer), self.grad_scaler
+        if self.gradient_clip_val is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.gradient_clip_algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(params, self.gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(params, self.gradient_clip_val)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._accumulated = 0
+        self.state.optimizer_steps += 1
+        if scheduler is not None:
+            scheduler.step()
+
+    def _validate(
+        self,
+        model: torch.nn.Module,
+        val_loader: Iterable[Any],
+        val_step: Callable[[Any], StepOutput],
+        move: Callable[[Any], Any],
+        autocast: Callable[[], Any],
+        common: dict[str, Any],
+    ) -> dict[str, float]:
+        ev = self.events
+        rng = _runtime.get_rng_state()
+        model.eval()
+        try:
+            with torch.no_grad():
+                if ev.validation_start.active:
+                    ev.validation_start.send(self, val_loader=val_loader, **common)
+                totals: dict[str, torch.Tensor] = {}
+                count = 0
+                for batch in val_loader:
+                    batch = move(batch)
+                    with autocast():
+                        values = _validation_values(val_step(batch))
+                    size = _runtime.batch_size_of(batch)
+                    for name, value in values.items():
+                        weighted = value.detach().float() * size
+                        totals[name] = totals[name] + weighted if name in totals else weighted
+                    count += size
+        finally:
+            model.train()
+            _runtime.set_rng_state(rng)
+        names = list(totals)
+        means = (torch.stack([totals[n] for n in names]) / max(count, 1)).tolist() if names else []
+        metrics = dict(zip(names, means))
+        if ev.validation_end.active:
+            ev.validation_end.send(self, metrics=metrics, **common)
+        return metrics
+
+    def _announce_failure(self, exc: BaseException, common: dict[str, Any]) -> None:
+        signal = self.events.exception
+        if not signal.active:
+            return
+        event = exc.event if isinstance(exc, ListenerError) else None
+        listener = exc.listener if isinstance(exc, ListenerError) else None
+        try:
+            signal.send(self, exception=exc, event=event, listener=listener, **common)
+        except ListenerError as inner:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"while announcing it, {inner}")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole training state to one safetensors file, atomically.
+
+        The file holds the model, the optimizer, the scheduler, the grad scaler, the progress,
+        the RNG states and the state every listener stores in its ``on_save_checkpoint``. Nothing
+        is written if a listener raises.
+
+        Args:
+            path: The file to write (conventionally ``*.safetensors``).
+
+        Raises:
+            RuntimeError: When no model is attached (call ``fit`` or ``attach`` first).
+            ListenerError: When a listener's ``on_save_checkpoint`` raised.
+            TypeError: When a listener stored a value a checkpoint cannot hold.
+        """
+        model, optimizer = self._require_attached("save")
+        states = ListenerStates()
+        ev = self.events
+        if ev.save_checkpoint.active:
+            ev.save_checkpoint.send(self, checkpoint=states, path=os.fspath(path), **self._common())
+        stateful = [s.key for s in self.events.subscriptions() if "save_checkpoint" in s.receivers]
+        pending = None
+        if self._accumulated:
+            pending = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        epoch, batch = self._resume_at
+        tree = {
+            "trainer": {
+                "progress": {
+                    "epoch": epoch,
+                    "batch": batch,
+                    "global_step": self.state.global_step,
+                    "optimizer_steps": self.state.optimizer_steps,
+                    "accumulated": self._accumulated,
+                },
+                "listener_order": [s.key for s in self.events.subscriptions()],
+                "stateful_listeners": stateful,
+                "precision": self.precision,
+            },
+            "model": model.state_dict(),
+            "optimizer": _runtime.optimizer_state_to_tree(optimizer.state_dict()),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "rng": {
+                "current": _runtime.get_rng_state(),
+                "epoch_start": self._epoch_rng if batch else None,
+            },
+            "pending_grads": pending,
+            "listeners": states.to_tree(),
+        }
+        write_checkpoint(path, tree)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        strict: bool = True,
+    ) -> None:
+        """Restore a checkpoint into the attached (or given) objects and the subscribed listeners.
+
+        Everything is read and checked before anything changes: a file that does not match
+        raises and leaves the model, optimizer and listeners untouched. Listener state goes to
+        the listener instances subscribed now, by key.
+
+        Args:
+            path: A file written by :meth:`save_checkpoint`.
+            model: Attach this model first (default: the one of the last ``fit``).
+            optimizer: Attach this optimizer first.
+            scheduler: Attach this scheduler first.
+            strict: When False, listener state without a subscribed listener, or a stateful
+                listener without state, only warns.
+
+        Raises:
+            FileNotFoundError: No file at ``path``.
+            CheckpointFormatError: The file is not a readable checkpoint.
+            CheckpointMismatchError: Keys, shapes or dtypes differ; the message lists them all.
+        """
+        if model is not None:
+            self.model = model
+        if optimizer is not None:
+            self.optimizer = optimizer
+        if scheduler is not None:
+            self.scheduler = scheduler
+        model, optimizer = self._require_attached("load")
+        path = os.fspath(path)
+        tree = read_checkpoint(path)
+        plan = self._check_checkpoint(path, tree, model, optimizer, strict)
+        # Everything matches: apply.
+        model.load_state_dict(tree["model"])
+        optimizer.load_state_dict(_runtime.optimizer_state_from_tree(tree["optimizer"], path))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(tree["scheduler"])
+        if self.grad_scaler is not None and tree["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(tree["grad_scaler"])
+        progress = tree["trainer"]["progress"]
+        self.state.epoch, self.state.batch_idx = progress["epoch"], progress["batch"]
+        self.state.global_step = progress["global_step"]
+        self.state.optimizer_steps = progress["optimizer_steps"]
+        self._resume_at = (progress["epoch"], progress["batch"])
+        self._accumulated = progress["accumulated"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = tree["pending_grads"] or [None] * len(params)
+        for param, grad in zip(params, grads):
+            param.grad = None if grad is None else grad.to(param.device, param.dtype)
+        _runtime.set_rng_state(tree["rng"]["current"])
+        self._loaded_epoch_rng = tree["rng"]["epoch_start"]
+        self._epoch_rng = self._loaded_epoch_rng
+        ev = self.events
+        if ev.load_checkpoint.active:
+            saved = {key: tree["listeners"].get(key, {}) for key in plan}
+            ev.load_checkpoint.send(
+                self, checkpoint=ListenerStates(saved), path=path, **self._common()
+            )
+
+    def _check_checkpoint(
+        self,
+        path: str,
+        tree: dict[str, Any],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strict: bool,
+    ) -> list[str]:
+        """Collect every mismatch; return the listener keys that will receive state."""
+        sections = ("trainer", "model", "optimizer", "scheduler", "grad_scaler", "rng", "listeners")
+        missing = [s for s in (*sections, "pending_grads") if s not in tree]
+        if missing:
+            raise CheckpointFormatError(f"{path} lacks the sections {missing}")
+        problems: list[str] = []
+        live = model.state_dict()
+        saved = tree["model"]
+        for key in sorted(set(live) - set(saved)):
+            problems.append(f"model: missing key {key!r}")
+        for key in sorted(set(saved) - set(live)):
+            problems.append(f"model: unexpected key {key!r}")
+        for key in sorted(set(live) & set(saved)):
+            have, got = live[key], saved[key]
+            if not isinstance(got, torch.Tensor):
+                problems.append(f"model: {key!r} is not a tensor in the file")
+            elif have.shape != got.shape:
+                problems.append(
+                    f"model: {key!r} has shape {tuple(got.shape)} in the file, "
+                    f"{tuple(have.shape)} in the model"
+                )
+            elif have.dtype != got.dtype:
+                problems.append(
+                    f"model: {key!r} has dtype {got.dtype} in the file, {have.dtype} in the model"
+                )
+        groups = tree["optimizer"].get("param_groups", []) if tree["optimizer"] else []
+        live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+        saved_sizes = [len(g.get("params", [])) for g in groups]
+        if live_sizes != saved_sizes:
+            problems.append(
+                f"optimizer: parameter groups of sizes {saved_sizes} in the file, "
+                f"{live_sizes} in the optimizer"
+            )
+        if (tree["scheduler"] is None) != (self.scheduler is None):
+            saved_one = "no scheduler" if tree["scheduler"] is None else "a scheduler"
+            have = "a scheduler" if self.scheduler is not None else "none"
+            problems.append(f"scheduler: the file has {saved_one}, the trainer has {have}")
+        if tree["grad_scaler"] is not None and self.grad_scaler is None:
+            problems.append(
+                f"grad scaler: the file was written with precision "
+                f"{tree['trainer'].get('precision')!r}, this trainer uses {self.precision!r}"
+            )
+        subscriptions = self.events.subscriptions()
+        receiving = [s.key for s in subscriptions if "load_checkpoint" in s.receivers]
+        stored = tree["listeners"]
+        listener_problems = [
+            f"listener {key!r}: subscribed with on_load_checkpoint, but the file has no state "
+            "for it"
+            for key in receiving
+            if key not in stored
+        ]
+        subscribed = {s.key for s in subscriptions}
+        for key in stored:
+            if key not in subscribed:
+                listener_problems.append(
+                    f"listener {key!r}: the file has its state, but no listener of that name is "
+                    f"subscribed (subscribed: {sorted(subscribed)})"
+                )
+            elif key not in receiving:
+                listener_problems.append(
+                    f"listener {key!r}: the file has its state, but it has no on_load_checkpoint"
+                )
+        if listener_problems and not strict:
+            for problem in listener_problems:
+                warnings.warn(f"{path}: {problem}", stacklevel=3)
+        else:
+            problems.extend(listener_problems)
+        if problems:
+            raise CheckpointMismatchError(
+                f"{path} does not match the live objects ({len(problems)} problems):\n  - "
+                + "\n  - ".join(problems)
+            )
+        return [key for key in receiving if key in stored or not strict]
+
+    def _require_attached(self, verb: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError(
+                f"cannot {verb} a checkpoint: no model and optimizer are attached; call fit() "
+                f"first or pass model= and optimizer= to load_checkpoint"
+            )
+        return self.model, self.optimizer
+
+    def _common(self) -> dict[str, Any]:
+        return {
+            "sender": self,
+            "trainer": self,
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "state": self.state,
+        }
+
+
+def _split_step_output(outputs: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    if isinstance(outputs, torch.Tensor):
+        return outputs, {"loss": outputs}
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), torch.Tensor):
+        return outputs["loss"], outputs
+    raise TypeError(
+        "step(batch) must return the loss tensor or a mapping with a 'loss' tensor; got "
+        f"{type(outputs).__name__}"
+        + (f" with keys {sorted(outputs)}" if isinstance(outputs, Mapping) else "")
+    )
+
+
+def _validation_values(outputs: Any) -> dict[str, torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        outputs = {"loss": outputs}
+    if not isinstance(outputs, Mapping):
+        raise TypeError(
+            f"val_step(batch) must return a scalar tensor or a mapping of scalars, got "
+            f"{type(outputs).__name__}"
+        )
+    values = {}
+    for name, value in outputs.items():
+        tensor = torch.as_tensor(value)
+        if tensor.numel() != 1:
+            raise ValueError(
+                f"val_step returned {name!r} with shape {tuple(tensor.shape)}; validation metrics "
+                "must be scalars (reduce them in val_step, e.g. .mean())"
+            )
+        key = name if str(name).startswith("val_") else f"val_{name}"
+        values[key] = tensor.reshape(())
+    return values
