@@ -179,10 +179,13 @@ class ListenerStates:
             key: ListenerState(key, value, readonly=True) for key, value in (saved or {}).items()
         }
 
-    def for_listener(self, key: str) -> ListenerState:
-        """The namespace of listener ``key`` (created empty when saving)."""
+    def for_listener(self, key: str) -> ListenerState | None:
+        """The namespace of listener ``key``: created empty when saving, None when loading a file
+        without state for ``key`` (the listener is then not called)."""
         if key not in self._states:
-            self._states[key] = ListenerState(key, readonly=self.readonly)
+            if self.readonly:
+                return None
+            self._states[key] = ListenerState(key)
         return self._states[key]
 
     def to_tree(self) -> dict[str, dict[str, Any]]:

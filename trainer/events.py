@@ -263,6 +263,8 @@ class EventSignal(blinker.Signal):
                 for name in scoped:
                     if name in kwargs:
                         kwargs[name] = kwargs[name].for_listener(receiver.key)
+                if any(kwargs.get(name, True) is None for name in scoped):
+                    continue  # nothing for this receiver (its state is absent from the file)
             try:
                 value = receiver.call(**kwargs)
             except Exception as exc:

@@ -612,7 +612,7 @@ class Trainer:
         self._epoch_rng = self._loaded_epoch_rng
         ev = self.events
         if ev.load_checkpoint.active:
-            saved = {key: tree["listeners"].get(key, {}) for key in plan}
+            saved = {key: tree["listeners"][key] for key in plan}
             ev.load_checkpoint.send(
                 self, checkpoint=ListenerStates(saved), path=path, **self._common()
             )
@@ -697,7 +697,7 @@ class Trainer:
                 f"{path} does not match the live objects ({len(problems)} problems):\n  - "
                 + "\n  - ".join(problems)
             )
-        return [key for key in receiving if key in stored or not strict]
+        return [key for key in receiving if key in stored]
 
     def _require_attached(self, verb: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         if self.model is None or self.optimizer is None:

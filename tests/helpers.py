@@ -1,0 +1,108 @@
+"""Small models, data and listeners shared by the trainer tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_data(n: int = 48, features: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(n, features, generator=generator)
+    targets = torch.randint(0, classes, (n,), generator=generator)
+    return TensorDataset(inputs, targets)
+
+
+def make_model(features: int = 6, classes: int = 3, seed: int = 0, dropout: float = 0.0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(features, 16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(16, classes),
+    )
+
+
+def make_loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = True) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+
+
+def classification_step(model: torch.nn.Module):
+    def step(batch):
+        x, y = batch
+        logits = model(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+    return step
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@attrs.define(eq=False)
+class Recorder:
+    """Records every event it receives into a shared log as ``(event, tag)``."""
+
+    log: list[tuple[str, Any]]
+    tag: Any = None
+
+    def _record(self, event: str) -> None:
+        self.log.append((event, self.tag))
+
+    def on_train_start(self) -> None:
+        self._record("train_start")
+
+    def on_epoch_start(self) -> None:
+        self._record("epoch_start")
+
+    def on_batch_start(self) -> None:
+        self._record("batch_start")
+
+    def on_batch_end(self) -> None:
+        self._record("batch_end")
+
+    def on_epoch_end(self) -> None:
+        self._record("epoch_end")
+
+    def on_validation_start(self) -> None:
+        self._record("validation_start")
+
+    def on_validation_end(self) -> None:
+        self._record("validation_end")
+
+    def on_train_end(self) -> None:
+        self._record("train_end")
+
+    def on_exception(self) -> None:
+        self._record("exception")
+
+
+@attrs.define(eq=False)
+class StatefulCounter:
+    """Counts batches; its count and a tensor go through checkpoints."""
+
+    count: int = 0
+    history: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0))
+
+    def on_batch_end(self, loss: torch.Tensor) -> None:
+        self.count += 1
+        self.history = torch.cat([self.history, loss.detach().reshape(1)])
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["count"] = self.count
+        checkpoint["history"] = self.history
+        checkpoint["nested"] = {"names": ["a", "b"], "values": [self.history, 1.5]}
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.count = checkpoint["count"]
+        self.history = checkpoint["history"].clone()

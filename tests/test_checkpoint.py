@@ -1,0 +1,344 @@
+"""Safetensors checkpoints: round trips, exact resume, listener state, mismatches, atomicity."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+import safetensors
+import torch
+
+from tests.helpers import (
+    StatefulCounter,
+    assert_same_tensors,
+    classification_step,
+    make_data,
+    make_loader,
+    make_model,
+    parameters_of,
+)
+from trainer import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ListenerError,
+    ListenerState,
+    Trainer,
+    read_checkpoint,
+    write_checkpoint,
+)
+
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _setup(seed=0, dropout=0.2, **trainer_kwargs):
+    model = make_model(dropout=dropout, seed=seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    trainer = Trainer(device="cpu", **trainer_kwargs)
+    counter = StatefulCounter()
+    trainer.subscribe(counter, name="counter")
+    return trainer, model, optimizer, scheduler, counter
+
+
+def _run(trainer, model, optimizer, scheduler, **kwargs):
+    loader = make_loader(make_data(n=40), batch_size=8, shuffle=True)
+    return trainer.fit(
+        model, optimizer, loader, classification_step(model), scheduler=scheduler, **kwargs
+    )
+
+
+def _full_state(model, optimizer, counter):
+    return (parameters_of(model), optimizer.state_dict(), counter.count, counter.history.clone())
+
+
+def _assert_same_state(a, b):
+    assert_same_tensors(a[0], b[0])
+    for key, value in a[1]["state"].items():
+        assert_same_tensors(value, b[1]["state"][key])
+    assert a[2] == b[2]
+    assert torch.equal(a[3], b[3])
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    trainer, model, optimizer, scheduler, counter = _setup(max_epochs=2)
+    _run(trainer, model, optimizer, scheduler)
+    path = tmp_path / "ckpt.safetensors"
+    trainer.save_checkpoint(path)
+    saved = _full_state(model, optimizer, counter)
+    saved_lr = scheduler.get_last_lr()
+
+    other, model2, optimizer2, scheduler2, counter2 = _setup(seed=1)
+    other.load_checkpoint(path, model=model2, optimizer=optimizer2, scheduler=scheduler2)
+    _assert_same_state(saved, _full_state(model2, optimizer2, counter2))
+    assert scheduler2.get_last_lr() == saved_lr
+    assert (other.state.global_step, other.state.optimizer_steps) == (10, 10)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_at_epoch_boundary_is_bit_identical(tmp_path, accumulate):
+    torch.manual_seed(123)
+    trainer, model, optimizer, scheduler, counter = _setup(
+        max_epochs=4, accumulate_grad_batches=accumulate
+    )
+    _run(trainer, model, optimizer, scheduler)
+    uninterrupted = _full_state(model, optimizer, counter)
+
+    torch.manual_seed(123)
+    trainer, model, optimizer, scheduler, counter = _setup(
+        max_epochs=2, accumulate_grad_batches=accumulate
+    )
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "epoch2.safetensors")
+
+    torch.manual_seed(999)  # a fresh process would start from another RNG state
+    trainer, model, optimizer, scheduler, counter = _setup(
+        seed=5, max_epochs=4, accumulate_grad_batches=accumulate
+    )
+    result = _run(trainer, model, optimizer, scheduler, resume_from=tmp_path / "epoch2.safetensors")
+    assert result.steps == 20 and result.epochs == 2
+    _assert_same_state(uninterrupted, _full_state(model, optimizer, counter))
+
+
+@pytest.mark.parametrize(("stop_at", "accumulate"), [(7, 1), (3, 2), (13, 2), (12, 3)])
+def test_resume_mid_epoch_is_bit_identical(tmp_path, stop_at, accumulate):
+    torch.manual_seed(5)
+    trainer, model, optimizer, scheduler, counter = _setup(
+        max_epochs=3, accumulate_grad_batches=accumulate
+    )
+    _run(trainer, model, optimizer, scheduler)
+    uninterrupted = _full_state(model, optimizer, counter)
+
+    class SaveAndCrash:
+        def on_batch_end(self, trainer, state):
+            if state.global_step == stop_at:
+                trainer.save_checkpoint(tmp_path / "mid.safetensors")
+                raise KeyboardInterrupt  # the process dies right after the save
+
+    torch.manual_seed(5)
+    trainer, model, optimizer, scheduler, counter = _setup(
+        max_epochs=3, accumulate_grad_batches=accumulate
+    )
+    trainer.subscribe(SaveAndCrash(), priority=-1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(trainer, model, optimizer, scheduler)
+
+    trainer, model, optimizer, scheduler, counter = _setup(
+        seed=9, max_epochs=3, accumulate_grad_batches=accumulate
+    )
+    _run(trainer, model, optimizer, scheduler, resume_from=tmp_path / "mid.safetensors")
+    _assert_same_state(uninterrupted, _full_state(model, optimizer, counter))
+
+
+def test_checkpoint_is_readable_with_safe_open_alone(tmp_path):
+    trainer, model, optimizer, scheduler, counter = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    path = tmp_path / "ckpt.safetensors"
+    trainer.save_checkpoint(path)
+    with safetensors.safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+        assert metadata["format"] == "trainer.checkpoint"
+        assert metadata["format_version"] == "1"
+        tree = json.loads(metadata["tree"])
+        assert torch.equal(handle.get_tensor("model.0.weight"), model[0].weight)
+        assert torch.equal(handle.get_tensor("listeners.counter.history"), counter.history)
+    assert tree["listeners"]["counter"]["count"] == 5
+    assert tree["trainer"]["listener_order"] == ["counter"]
+    assert tree["model"]["0.weight"] == {"$tensor": "model.0.weight"}
+
+
+def test_listener_state_is_namespaced_per_listener(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    second = StatefulCounter()
+    trainer.subscribe(second)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    tree = read_checkpoint(tmp_path / "c.safetensors")
+    assert set(tree["listeners"]) == {"counter", "stateful_counter_0"}
+    assert tree["listeners"]["stateful_counter_0"]["nested"]["names"] == ["a", "b"]
+    second.count = -1
+    trainer.load_checkpoint(tmp_path / "c.safetensors")
+    assert second.count == 5
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 4)
+            self.out = torch.nn.Linear(4, 5, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.out(self.embed(x))
+
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(max_epochs=1, device="cpu")
+    data = [(torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3]))]
+    trainer.fit(
+        model, optimizer, data, lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1])
+    )
+    trainer.save_checkpoint(tmp_path / "tied.safetensors")
+    with safetensors.safe_open(str(tmp_path / "tied.safetensors"), "pt") as handle:
+        assert [k for k in handle.keys() if k.startswith("model.")] == ["model.embed.weight"]  # noqa: SIM118
+    fresh = Tied()
+    trainer.load_checkpoint(
+        tmp_path / "tied.safetensors",
+        model=fresh,
+        optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1),
+    )
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    assert fresh.out.weight is fresh.embed.weight
+
+
+def test_listener_raising_during_save_leaves_no_file(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    good = tmp_path / "c.safetensors"
+    trainer.save_checkpoint(good)
+    before = good.read_bytes()
+
+    class Broken:
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["partial"] = 1
+            raise OSError("disk full, pretend")
+
+    trainer.subscribe(Broken(), name="broken")
+    with pytest.raises(ListenerError, match="'broken' raised OSError in event 'save_checkpoint'"):
+        trainer.save_checkpoint(good)
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+def test_unstorable_value_is_a_type_error_saying_what_to_store():
+    state = ListenerState("x")
+    with pytest.raises(TypeError, match="store a tensor"):
+        state["obj"] = object()
+    with pytest.raises(TypeError, match="keys must be strings"):
+        state["d"] = {1: 2}
+    with pytest.raises(TypeError, match="to_dense"):
+        state["sparse"] = torch.eye(2).to_sparse()
+    state["ok"] = {"a": [1, 2.5, None, True, "s", torch.ones(2)]}
+    with pytest.raises(TypeError, match="read-only"):
+        ListenerState("y", {"a": 1}, readonly=True)["a"] = 2
+
+
+def test_mismatches_are_all_reported_and_nothing_changes(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+
+    other_model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.Linear(4, 3)
+    )
+    other_optimizer = torch.optim.Adam(other_model.parameters())
+    other = Trainer(device="cpu")
+    stranger = StatefulCounter(count=42)
+    other.subscribe(stranger, name="stranger")
+    before = parameters_of(other_model)
+    with pytest.raises(CheckpointMismatchError) as info:
+        other.load_checkpoint(
+            tmp_path / "c.safetensors", model=other_model, optimizer=other_optimizer
+        )
+    message = str(info.value)
+    assert "model: missing key '2.weight'" in message
+    assert "'3.weight' has shape (3, 16) in the file, (3, 4) in the model" in message
+    assert "parameter groups of sizes [4] in the file, [6] in the optimizer" in message
+    assert "scheduler: the file has a scheduler" in message
+    assert "listener 'stranger': subscribed with on_load_checkpoint" in message
+    assert "listener 'counter': the file has its state, but no listener of that name" in message
+    assert_same_tensors(before, parameters_of(other_model))
+    assert stranger.count == 42
+
+
+def test_dtype_mismatch_is_reported(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    model.double()
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=re.escape("'0.weight' has dtype torch.float32 in the file, torch.float64"),
+    ):
+        trainer.load_checkpoint(tmp_path / "c.safetensors")
+
+
+def test_strict_false_downgrades_listener_mismatches_to_warnings(tmp_path):
+    trainer, model, optimizer, scheduler, counter = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    trainer.unsubscribe(counter)
+    newcomer = StatefulCounter(count=7)
+    trainer.subscribe(newcomer, name="newcomer")
+    with pytest.warns(UserWarning) as warned:
+        trainer.load_checkpoint(tmp_path / "c.safetensors", strict=False)
+    messages = " ".join(str(w.message) for w in warned)
+    assert "'newcomer'" in messages and "'counter'" in messages
+    assert newcomer.count == 7
+
+
+def test_files_that_are_not_checkpoints_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_checkpoint(tmp_path / "missing.safetensors")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 3)
+    with pytest.raises(CheckpointFormatError, match="not a readable safetensors checkpoint"):
+        read_checkpoint(garbage)
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(foreign))
+    with pytest.raises(CheckpointFormatError, match="not a trainer checkpoint"):
+        read_checkpoint(foreign)
+    future = tmp_path / "future.safetensors"
+    safetensors.torch.save_file(
+        {},
+        str(future),
+        metadata={"format": "trainer.checkpoint", "format_version": "99", "tree": "{}"},
+    )
+    with pytest.raises(CheckpointFormatError, match="format version '99'"):
+        read_checkpoint(future)
+    dangling = tmp_path / "dangling.safetensors"
+    safetensors.torch.save_file(
+        {},
+        str(dangling),
+        metadata={
+            "format": "trainer.checkpoint",
+            "format_version": "1",
+            "tree": json.dumps({"x": {"$tensor": "nope"}}),
+        },
+    )
+    with pytest.raises(CheckpointFormatError, match="refers to tensor 'nope'"):
+        read_checkpoint(dangling)
+
+
+def test_write_read_tree_round_trip(tmp_path):
+    t = torch.arange(6.0).reshape(2, 3)
+    tree = {
+        "a": {"b": t, "view": t.t(), "same": t, "empty": torch.zeros(0, 2)},
+        "lst": [1, "x", None, float("inf")],
+        "bf": torch.ones(2, dtype=torch.bfloat16),
+    }
+    write_checkpoint(tmp_path / "t.safetensors", tree)
+    back = read_checkpoint(tmp_path / "t.safetensors")
+    assert torch.equal(back["a"]["b"], t) and torch.equal(back["a"]["view"], t.t())
+    assert back["a"]["same"] is back["a"]["b"]
+    assert back["a"]["empty"].shape == (0, 2)
+    assert back["lst"] == [1, "x", None, float("inf")]
+    assert back["bf"].dtype == torch.bfloat16
+
+
+def test_no_pickle_anywhere_in_the_packages():
+    pattern = re.compile(r"\b(torch\.load|torch\.save|pickle|cPickle|dill)\b")
+    offenders = []
+    for package in ("trainer", "renate_events"):
+        for path in (PACKAGE_ROOT / package).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(PACKAGE_ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_save_or_load_without_attached_model_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="no model and optimizer are attached"):
+        Trainer().save_checkpoint(tmp_path / "x.safetensors")
