@@ -280,7 +280,7 @@ class Trainer:
 
         device = _runtime.resolve_device(self.device)
         model.to(device)
-        self._attach(model, optimizer, scheduler, device)
+        self._attach_for_fit(model, optimizer, scheduler, device)
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
         self._resume_at, self._loaded_epoch_rng, self._accumulated = (0, 0), None, 0
@@ -374,18 +374,28 @@ class Trainer:
 
     # -- loop helpers ---------------------------------------------------------------------------
 
-    def _attach(
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None
+    ) -> None:
+        """Attach the objects that checkpoints save and restore, without training.
+
+        ``fit`` attaches its arguments itself; call this to save or load a checkpoint before the
+        first ``fit`` (for example to inspect a run's state in a new process).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def _attach_for_fit(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         device: torch.device,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.attach(model, optimizer, scheduler)
         if self.precision == "16-mixed":
             if self.grad_scaler is None or self.grad_scaler._device != device.type:
                 self.grad_scaler = torch.amp.GradScaler(device.type)
@@ -580,11 +590,9 @@ class Trainer:
             CheckpointFormatError: The file is not a readable checkpoint.
             CheckpointMismatchError: Keys, shapes or dtypes differ; the message lists them all.
         """
-        if model is not None:
-            self.model = model
-        if optimizer is not None:
-            self.optimizer = optimizer
-        if scheduler is not None:
+        if model is not None or optimizer is not None:
+            self.attach(model or self.model, optimizer or self.optimizer, scheduler)
+        elif scheduler is not None:
             self.scheduler = scheduler
         model, optimizer = self._require_attached("load")
         path = os.fspath(path)
@@ -703,7 +711,7 @@ class Trainer:
         if self.model is None or self.optimizer is None:
             raise RuntimeError(
                 f"cannot {verb} a checkpoint: no model and optimizer are attached; call fit() "
-                f"first or pass model= and optimizer= to load_checkpoint"
+                "or attach(model, optimizer) first"
             )
         return self.model, self.optimizer
 
