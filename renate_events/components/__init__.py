@@ -1,0 +1,51 @@
+"""Composable experience-replay components (losses and model updaters), after Renate.
+
+Components are attrs classes whose ``on_<event>`` methods a training loop calls with keyword
+arguments and whose :meth:`~Component.loss` is added to the training loss on memory batches.
+
+Example:
+    >>> import torch
+    >>> from renate_events.components import WeightedMeanSquaredErrorLossComponent
+    >>> der = WeightedMeanSquaredErrorLossComponent(weight=0.5)
+    >>> batch = ((torch.zeros(2, 3), torch.tensor([0, 1])), {"logits": torch.zeros(2, 4)})
+    >>> der.loss(torch.ones(2, 4), batch, None)
+    tensor(0.5000)
+"""
+
+from __future__ import annotations
+
+from renate_events.components.cls import WeightedCLSLossComponent
+from renate_events.components.component import BatchMemory, Component, Inputs
+from renate_events.components.features import (
+    IntermediateRepresentations,
+    copy_without_hooks,
+    record_intermediate_representations,
+)
+from renate_events.components.losses import (
+    DISTILLATION_TYPES,
+    WeightedCustomLossComponent,
+    WeightedLossComponent,
+    WeightedMeanSquaredErrorLossComponent,
+    WeightedPooledOutputDistillationLossComponent,
+)
+from renate_events.components.reinitialization import (
+    ReinitializationComponent,
+    ShrinkAndPerturbReinitializationComponent,
+)
+
+__all__ = [
+    "DISTILLATION_TYPES",
+    "BatchMemory",
+    "Component",
+    "Inputs",
+    "IntermediateRepresentations",
+    "ReinitializationComponent",
+    "ShrinkAndPerturbReinitializationComponent",
+    "WeightedCLSLossComponent",
+    "WeightedCustomLossComponent",
+    "WeightedLossComponent",
+    "WeightedMeanSquaredErrorLossComponent",
+    "WeightedPooledOutputDistillationLossComponent",
+    "copy_without_hooks",
+    "record_intermediate_representations",
+]

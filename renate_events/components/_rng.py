@@ -1,0 +1,27 @@
+"""Private random number generators of components, saved and restored through checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Seeds accepted by ``torch.Generator.manual_seed`` (non-negative part).
+SEED_LIMIT = 2**64
+
+
+def new_generator(seed: int) -> torch.Generator:
+    """Returns a CPU generator seeded with ``seed``, independent of the global RNG."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+def restore_generator(generator: torch.Generator, state: Any, owner: str) -> None:
+    """Sets ``generator`` to a state saved with ``generator.get_state()``."""
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(
+            f"{owner}: checkpoint['generator_state'] must be the uint8 tensor returned by "
+            f"torch.Generator.get_state(), got {type(state).__name__}"
+        )
+    generator.set_state(state.detach().to(device="cpu", dtype=torch.uint8).contiguous())

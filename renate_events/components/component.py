@@ -1,0 +1,88 @@
+"""The :class:`Component` base class: a unit of replay behaviour driven by training-loop events."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Union
+
+import attrs
+import torch
+from torch import nn
+
+from renate_events.components import _validation as v
+
+#: Model inputs: a tensor, or a (nested) tuple/dict of tensors.
+Inputs = Union[torch.Tensor, tuple[Any, ...], Mapping[str, Any]]
+#: A batch drawn from the memory buffer: ``((inputs, targets), metadata)``. ``metadata`` holds
+#: ``"idx"`` (buffer slot indices) and, where stored, ``"logits"`` and
+#: ``"intermediate_representation_{i}"``.
+BatchMemory = tuple[tuple[Inputs, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+@attrs.define(eq=False)
+class Component(abc.ABC):  # noqa: B024 - abstract by intent; every hook is optional
+    """Base class of everything the replay learner composes: extra losses and model updaters.
+
+    The training loop calls :meth:`loss` on every step that has a memory batch and the ``on_*``
+    hooks on the matching events, always with keyword arguments (``model=...``,
+    ``checkpoint=...``). Every hook defaults to doing nothing, so subclasses override only what
+    they need. Fields are validated on construction and on assignment.
+
+    Args:
+        weight: Non-negative scale of the component's loss; ``0`` means it adds no loss.
+        sample_new_memory_batch: Whether the loop should draw a fresh memory batch for this
+            component instead of reusing the one shared with the other components.
+
+    Example:
+        >>> import attrs, torch
+        >>> @attrs.define(eq=False)
+        ... class CountSteps(Component):
+        ...     steps: int = 0
+        ...     def on_train_batch_end(self, model):
+        ...         self.steps += 1
+        >>> c = CountSteps()
+        >>> c.on_train_batch_end(model=torch.nn.Linear(2, 2))
+        >>> c.steps, c.loss(torch.ones(3, 2), None, None)
+        (1, tensor(0.))
+    """
+
+    weight: float = attrs.field(default=0.0, validator=v.real_in_range(0.0))
+    sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
+
+    def loss(
+        self,
+        outputs_memory: torch.Tensor,
+        batch_memory: BatchMemory,
+        intermediate_representation_memory: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Returns this component's contribution to the training loss for a memory batch.
+
+        Args:
+            outputs_memory: The current model's logits for the memory inputs, shape ``(N, K)``.
+            batch_memory: ``((inputs, targets), metadata)`` drawn from the memory buffer.
+            intermediate_representation_memory: The current model's recorded intermediate
+                representations for the memory inputs (may be ``None`` or empty).
+
+        Returns:
+            A scalar tensor; the base class returns zero on the device of ``outputs_memory``.
+        """
+        return outputs_memory.new_zeros(())
+
+    def on_train_start(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Called once when training on new data starts, with the model being trained."""
+
+    def on_train_batch_end(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Called after every optimizer step, with the model being trained."""
+
+    def on_save_checkpoint(self, checkpoint: MutableMapping[str, Any]) -> None:  # noqa: B027
+        """Writes this component's state into ``checkpoint`` (namespaced to the component).
+
+        Values must be tensors or JSON-able values; nested dicts/lists may contain tensors.
+        """
+
+    def on_load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:  # noqa: B027
+        """Restores the state written by :meth:`on_save_checkpoint`.
+
+        Tensors come back on the CPU and tuples come back as lists.
+        """
