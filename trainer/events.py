@@ -240,7 +240,7 @@ class EventSignal(blinker.Signal):
         """``(key, callable)`` of every receiver, in the order they are called."""
         return [(r.key, r.call) for r in self._ordered]
 
-    def send(self, sender: Any = None, /, **payload: Any) -> list[tuple[Callable[..., Any], Any]]:  # type: ignore[override]
+    def send(self, sender: Any = None, /, **payload: Any) -> list[tuple[Callable[..., Any], Any]]:
         """Call every receiver in order with the keywords it declared.
 
         Returns:

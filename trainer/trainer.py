@@ -590,11 +590,14 @@ class Trainer:
             CheckpointFormatError: The file is not a readable checkpoint.
             CheckpointMismatchError: Keys, shapes or dtypes differ; the message lists them all.
         """
-        if model is not None or optimizer is not None:
-            self.attach(model or self.model, optimizer or self.optimizer, scheduler)
-        elif scheduler is not None:
-            self.scheduler = scheduler
-        model, optimizer = self._require_attached("load")
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
+        if model is None or optimizer is None:
+            raise RuntimeError(
+                "cannot load a checkpoint: no model and optimizer are attached; call fit() or "
+                "attach(model, optimizer) first, or pass model= and optimizer="
+            )
+        self.attach(model, optimizer, self.scheduler if scheduler is None else scheduler)
         path = os.fspath(path)
         tree = read_checkpoint(path)
         plan = self._check_checkpoint(path, tree, model, optimizer, strict)
