@@ -65,8 +65,8 @@ EVENTS: dict[str, EventSpec] = {
         _spec(
             "train_start",
             ("train_loader", "scheduler"),
-            "Once per fit, after the model is on its device, before the first epoch "
-            "(after the checkpoint is loaded when resuming).",
+            "Once per fit, after the model is on its device, before the first epoch. When "
+            "resuming, the checkpoint is restored right after this event (``load_checkpoint``).",
         ),
         _spec("epoch_start", (), "At the start of every epoch; ``state.epoch`` is its index."),
         _spec(

@@ -255,6 +255,7 @@ class Trainer:
             scheduler_interval: ``"epoch"`` (after each full epoch) or ``"step"`` (after each
                 optimizer step).
             resume_from: A checkpoint to continue from (progress, RNG, optimizer, listeners).
+                It is read and checked before ``train_start`` and restored right after it.
 
         Returns:
             A :class:`FitResult`.
@@ -284,8 +285,11 @@ class Trainer:
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
         self._resume_at, self._loaded_epoch_rng, self._accumulated = (0, 0), None, 0
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
+        resume = None
+        if resume_from is not None:  # read and check now, restore after train_start
+            path = os.fspath(resume_from)
+            tree = read_checkpoint(path)
+            resume = (path, tree, self._check_checkpoint(path, tree, model, optimizer, True))
         elif self.seed is not None:
             _runtime.seed_everything(self.seed)
         move = _runtime.make_mover(device)
@@ -294,10 +298,14 @@ class Trainer:
         common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
         common["state"] = state
         try:
-            # Train start: the model is on its device and in train mode.
+            # Train start: the model is on its device and in train mode. When resuming, the
+            # checkpoint is restored right after, overriding what start-of-training hooks did
+            # (re-initialisation, model copies) with the saved state.
             model.train()
             if ev.train_start.active:
                 ev.train_start.send(self, train_loader=train_loader, scheduler=scheduler, **common)
+            if resume is not None:
+                self._apply_checkpoint(*resume)
             epochs, last_loss, val_metrics = 0, None, {}
             first_epoch, skip = self._resume_at
             for epoch in itertools.count(first_epoch):
@@ -601,7 +609,11 @@ class Trainer:
         path = os.fspath(path)
         tree = read_checkpoint(path)
         plan = self._check_checkpoint(path, tree, model, optimizer, strict)
-        # Everything matches: apply.
+        self._apply_checkpoint(path, tree, plan)
+
+    def _apply_checkpoint(self, path: str, tree: dict[str, Any], plan: list[str]) -> None:
+        """Restore a checkpoint that :meth:`_check_checkpoint` accepted."""
+        model, optimizer = self._require_attached("load")
         model.load_state_dict(tree["model"])
         optimizer.load_state_dict(_runtime.optimizer_state_from_tree(tree["optimizer"], path))
         if self.scheduler is not None:
