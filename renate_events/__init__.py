@@ -1,8 +1,52 @@
 """Renate-style continual learning (experience replay) on the event-driven ``trainer`` loop.
 
-Subpackages:
+Subpackages and modules:
     components: the seed's ``Component`` and the loss / reinitialisation components.
     memory: replay buffers stored in preallocated tensors.
+    learners: ``BaseExperienceReplayLearner`` and its presets (ER, DER++, POD, CLS-ER, Super-ER),
+        plus the fine-tuning and joint baselines.
+
+Example:
+    >>> import torch
+    >>> from renate_events import ExperienceReplayLearner
+    >>> learner = ExperienceReplayLearner(model=torch.nn.Linear(4, 2), memory_size=100)
 """
 
+from renate_events.components import Component
+from renate_events.learners import (
+    BaseExperienceReplayLearner,
+    CLSExperienceReplayLearner,
+    DarkExperienceReplayLearner,
+    ExperienceReplayLearner,
+    FineTuningLearner,
+    JointLearner,
+    PooledOutputDistillationExperienceReplayLearner,
+    SuperExperienceReplayLearner,
+)
+from renate_events.memory import (
+    DataBuffer,
+    GreedyClassBalancingBuffer,
+    InfiniteBuffer,
+    ReservoirBuffer,
+    SlidingWindowBuffer,
+)
+
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BaseExperienceReplayLearner",
+    "CLSExperienceReplayLearner",
+    "Component",
+    "DarkExperienceReplayLearner",
+    "DataBuffer",
+    "ExperienceReplayLearner",
+    "FineTuningLearner",
+    "GreedyClassBalancingBuffer",
+    "InfiniteBuffer",
+    "JointLearner",
+    "PooledOutputDistillationExperienceReplayLearner",
+    "ReservoirBuffer",
+    "SlidingWindowBuffer",
+    "SuperExperienceReplayLearner",
+    "__version__",
+]

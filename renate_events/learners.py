@@ -1,0 +1,629 @@
+"""Experience-replay learners: one base step, methods as ordered lists of components.
+
+A learner owns a model, a memory buffer and an ordered list of named components, and drives a
+:class:`trainer.Trainer`: it supplies the training step, subscribes itself (to update the buffer)
+and then its components (in list order, under their names) as listeners. ``learner.fit(data)`` is
+one model update; calling it again on the next task's data continues with the same buffer and
+components.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from renate_events.components import (
+    Component,
+    IntermediateRepresentations,
+    ShrinkAndPerturbReinitializationComponent,
+    WeightedCLSLossComponent,
+    WeightedCustomLossComponent,
+    WeightedMeanSquaredErrorLossComponent,
+    WeightedPooledOutputDistillationLossComponent,
+)
+from renate_events.memory import BufferDataset, DataBuffer, InfiniteBuffer, ReservoirBuffer
+from trainer import FitResult, Trainer
+
+__all__ = [
+    "BaseExperienceReplayLearner",
+    "CLSExperienceReplayLearner",
+    "DarkExperienceReplayLearner",
+    "ExperienceReplayLearner",
+    "FineTuningLearner",
+    "JointLearner",
+    "PooledOutputDistillationExperienceReplayLearner",
+    "SuperExperienceReplayLearner",
+    "forward",
+]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
+    """Call ``model`` on inputs: ``model(x)``, ``model(*x)`` for a tuple/list, ``model(**x)`` for
+    a dict (the same convention the CLS component uses for its model copies)."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _number_in(low: float, high: float | None, *, low_open: bool = False, high_open: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        if ok:
+            ok = value > low if low_open else value >= low
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+        if not ok:
+            left = "(" if low_open else "["
+            right = "inf)" if high is None else (f"{high})" if high_open else f"{high}]")
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be a number in "
+                f"{left}{low}, {right}, got {value!r}"
+            )
+
+    return check
+
+
+def _int_at_least(low: int):
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be an int >= {low}, got {value!r}"
+            )
+
+    return check
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _named_components(components: Any) -> dict[str, Component]:
+    if isinstance(components, Mapping):
+        named = dict(components)
+    elif isinstance(components, Sequence):
+        named, counts = {}, {}
+        for component in components:
+            base = _snake(type(component).__name__)
+            counts[base] = counts.get(base, -1) + 1
+            named[f"{base}_{counts[base]}"] = component
+    else:
+        raise TypeError(
+            "components must be a mapping of names to Component or a sequence of Component, "
+            f"got {type(components).__name__}"
+        )
+    for name, component in named.items():
+        if not isinstance(component, Component):
+            raise TypeError(
+                f"component {name!r} is a {type(component).__name__}, not a Component; "
+                "subclass renate_events.components.Component"
+            )
+        if not isinstance(name, str) or not _NAME.match(name) or name == "learner":
+            raise ValueError(
+                f"component name {name!r} is not valid: use letters, digits, '_' and '-' and do "
+                "not use 'learner' (the learner's own checkpoint key)"
+            )
+    return named
+
+
+@attrs.define(eq=False)
+class BaseExperienceReplayLearner:
+    """Experience replay with an ordered list of components (Renate's step semantics).
+
+    One training step:
+
+    1. the model runs on the new batch; its loss ``loss_fn(outputs, targets).mean()`` is scaled by
+       ``loss_weight`` (with ``mask_unused_classes``, logits of classes not seen so far are set to
+       ``-inf`` for this loss only);
+    2. once the buffer holds a memory batch, for each component in order a memory batch is sampled
+       and forwarded if the component asks for it (``sample_new_memory_batch``) or if none was
+       sampled in this step yet, and ``component.loss(outputs_memory, batch_memory,
+       intermediate_representation_memory)`` is added; with ``ema_memory_update_gamma < 1`` the
+       stored logits of the sampled slots move towards the current ones
+       (``gamma * stored + (1 - gamma) * current``);
+    3. with ``loss_normalization`` the total is divided by ``loss_weight`` plus the weights of the
+       components (only while memory is used);
+    4. after the optimizer step (the trainer's ``batch_end``) the buffer is updated with the batch,
+       its unmasked logits and its intermediate representations, then the components'
+       ``on_train_batch_end`` run.
+
+    Memory batches are tensor operations on the buffer's device; no DataLoader is built per step.
+
+    Args:
+        model: The model; called as ``model(x)``, ``model(*x)`` or ``model(**x)`` (see
+            :func:`forward`).
+        loss_fn: ``loss_fn(outputs, targets)``, per-sample or scalar; its mean is the loss.
+        optimizer: An optimizer factory ``f(parameters)`` called at the start of every
+            ``fit`` (Renate's behaviour: each update starts with fresh optimizer state), or an
+            optimizer instance reused across fits. Default: Adam with learning rate 3e-4.
+        components: Named components (a mapping, kept in order) or a sequence (named after their
+            classes).
+        memory_size: Slots of the default reservoir buffer; 0 disables memory.
+        memory_batch_size: Samples per memory batch.
+        batch_size: Samples per batch of new data when ``fit`` receives a dataset.
+        batch_memory_frac: If set, split ``batch_size`` as Renate documents it: the memory batch
+            is ``min(memory_size, int(batch_memory_frac * batch_size))`` and the new-data batch
+            the rest.
+        loss_weight: Weight of the loss on new data.
+        ema_memory_update_gamma: In (0, 1]; below 1 the stored logits are updated in place.
+        loss_normalization: Divide the loss by the sum of the weights.
+        mask_unused_classes: Mask logits of classes not seen so far in the new-data loss.
+        buffer: A buffer to use instead of the default ``ReservoirBuffer(memory_size, seed)``.
+        feature_modules: Names of submodules whose outputs are recorded as intermediate
+            representations (stored with each sample, given to the components).
+        learning_rate_scheduler: Optional factory ``f(optimizer)`` of a scheduler.
+        learning_rate_scheduler_interval: ``"epoch"`` or ``"step"``.
+        seed: Seeds the default buffer and the trainer (when it has no seed of its own).
+        trainer: The trainer to drive (epochs, device, precision, ...); subscribe your own
+            listeners to it.
+
+    Example:
+        >>> import torch
+        >>> from renate_events.learners import ExperienceReplayLearner
+        >>> from trainer import Trainer
+        >>> model = torch.nn.Linear(4, 3)
+        >>> learner = ExperienceReplayLearner(model=model, memory_size=20, memory_batch_size=4,
+        ...                                   batch_size=8, trainer=Trainer(max_epochs=1))
+        >>> data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+        >>> learner.fit(data).steps
+        2
+    """
+
+    model: nn.Module = attrs.field(validator=attrs.validators.instance_of(nn.Module))
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = attrs.field(
+        default=F.cross_entropy, validator=attrs.validators.is_callable()
+    )
+    optimizer: torch.optim.Optimizer | OptimizerFactory = attrs.field(
+        default=functools.partial(torch.optim.Adam, lr=3e-4)
+    )
+    components: Mapping[str, Component] | Sequence[Component] = attrs.field(
+        factory=dict, converter=_named_components
+    )
+    memory_size: int = attrs.field(default=32, validator=_int_at_least(0))
+    memory_batch_size: int = attrs.field(default=32, validator=_int_at_least(1))
+    batch_size: int = attrs.field(default=32, validator=_int_at_least(1))
+    batch_memory_frac: float | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(_number_in(0, 1, low_open=True, high_open=True)),
+    )
+    loss_weight: float = attrs.field(default=1.0, validator=_number_in(0, None))
+    ema_memory_update_gamma: float = attrs.field(
+        default=1.0, validator=_number_in(0, 1, low_open=True)
+    )
+    loss_normalization: bool = attrs.field(
+        default=True, validator=attrs.validators.instance_of(bool)
+    )
+    mask_unused_classes: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool)
+    )
+    buffer: DataBuffer | None = attrs.field(default=None)
+    feature_modules: Sequence[str] = attrs.field(default=(), converter=tuple)
+    learning_rate_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    learning_rate_scheduler_interval: str = attrs.field(
+        default="epoch", validator=attrs.validators.in_(("epoch", "step"))
+    )
+    seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    trainer: Trainer = attrs.field(factory=Trainer)
+
+    _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
+    _recorder: IntermediateRepresentations | None = attrs.field(init=False, default=None)
+    _seen_classes: torch.Tensor | None = attrs.field(init=False, default=None)
+    _new_batch_size: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.components:
+            self.components = _named_components(self._preset_components())
+        pod = [
+            name
+            for name, c in self.components.items()
+            if isinstance(c, WeightedPooledOutputDistillationLossComponent) and c.weight > 0
+        ]
+        if pod and not self.feature_modules:
+            raise ValueError(
+                f"{type(self).__name__}: the component {pod[0]!r} distils intermediate "
+                "representations, but feature_modules is empty; pass the names of the submodules "
+                "to record, e.g. feature_modules=['layer1', 'layer2'] (see model.named_modules())"
+            )
+        if self.batch_memory_frac is not None:
+            memory = min(self.memory_size, int(self.batch_memory_frac * self.batch_size))
+            if memory < 1 or memory >= self.batch_size:
+                raise ValueError(
+                    f"batch_memory_frac={self.batch_memory_frac} with batch_size={self.batch_size} "
+                    f"and memory_size={self.memory_size} leaves a memory batch of {memory} and a "
+                    f"new-data batch of {self.batch_size - memory}; both must be >= 1"
+                )
+            self.memory_batch_size, self._new_batch_size = memory, self.batch_size - memory
+        else:
+            self._new_batch_size = self.batch_size
+        if self.buffer is None and self.memory_size > 0:
+            self.buffer = ReservoirBuffer(max_size=self.memory_size, seed=self.seed)
+        if self.feature_modules:
+            self._recorder = IntermediateRepresentations(self.model, list(self.feature_modules))
+        if self.trainer.seed is None:
+            self.trainer.seed = self.seed
+        self.trainer.subscribe(self, name="learner")
+        for name, component in self.components.items():
+            self.trainer.subscribe(component, name=name)
+
+    def _preset_components(self) -> dict[str, Component]:
+        """The components of a preset; the base learner has none unless given."""
+        return {}
+
+    # -- one model update -----------------------------------------------------------------------
+
+    def fit(
+        self,
+        train_data: Dataset[Any] | Iterable[Any],
+        val_data: Dataset[Any] | Iterable[Any] | None = None,
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> FitResult:
+        """Run one model update on ``train_data`` (a dataset of ``(inputs, target)`` or a loader).
+
+        Datasets are batched with ``batch_size`` (the new-data part of it with
+        ``batch_memory_frac``) and shuffled with torch's global RNG, which the trainer seeds and
+        checkpoints. Validation reports ``val_loss`` and ``val_accuracy``.
+        """
+        train_loader = self._loader(train_data, shuffle=True)
+        val_loader = None if val_data is None else self._loader(val_data, shuffle=False)
+        optimizer = self._make_optimizer()
+        scheduler = None
+        if self.learning_rate_scheduler is not None:
+            scheduler = self.learning_rate_scheduler(optimizer)
+        return self.trainer.fit(
+            self.model,
+            optimizer,
+            train_loader,
+            self.training_step,
+            val_loader=val_loader,
+            val_step=self.validation_step,
+            scheduler=scheduler,
+            scheduler_interval=self.learning_rate_scheduler_interval,
+            resume_from=resume_from,
+        )
+
+    def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
+        if isinstance(data, Dataset):
+            return DataLoader(data, batch_size=self._new_batch_size, shuffle=shuffle)
+        return data
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            return self.optimizer
+        if not callable(self.optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer or a factory f(parameters), "
+                f"got {self.optimizer!r}"
+            )
+        self._optimizer_instance = self.optimizer(self.model.parameters())
+        return self._optimizer_instance
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def training_step(self, batch: Any) -> dict[str, Any]:
+        """Loss of one batch of new data plus the components' losses on memory batches."""
+        inputs, targets = batch
+        outputs = self._forward(inputs)
+        features = self._features()
+        logits = outputs
+        if self.mask_unused_classes:
+            logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
+        loss = self.loss_fn(logits, targets).mean() * self.loss_weight
+        buffer = self.buffer
+        if buffer is not None and self.components and len(buffer) >= self._memory_batch():
+            total_weight = self.loss_weight
+            batch_memory = outputs_memory = features_memory = None
+            for component in self.components.values():
+                if component.sample_new_memory_batch or batch_memory is None:
+                    batch_memory = buffer.sample(self._memory_batch())
+                    (inputs_memory, _), metadata = batch_memory
+                    outputs_memory = self._forward(inputs_memory)
+                    features_memory = self._features()
+                    if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
+                        gamma = self.ema_memory_update_gamma
+                        updated = (
+                            gamma * metadata["logits"] + (1.0 - gamma) * outputs_memory.detach()
+                        )
+                        buffer.set_metadata(
+                            "logits", metadata["idx"], updated.to(metadata["logits"].dtype)
+                        )
+                loss = loss + component.loss(outputs_memory, batch_memory, features_memory).mean()
+                total_weight += component.weight
+            if self.loss_normalization and total_weight > 0:
+                loss = loss / total_weight
+        return {
+            "loss": loss,
+            "logits": outputs.detach(),
+            "features": [f.detach() for f in features],
+        }
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
+        inputs, targets = batch
+        outputs = self._forward(inputs)
+        return {
+            "loss": self.loss_fn(outputs, targets).mean(),
+            "accuracy": (outputs.argmax(dim=-1) == targets).float().mean(),
+        }
+
+    def _memory_batch(self) -> int:
+        limit = self.memory_size if self.memory_size > 0 else self.memory_batch_size
+        return min(self.memory_batch_size, limit)
+
+    def _forward(self, inputs: Any) -> torch.Tensor:
+        return forward(self.model, inputs)
+
+    def _features(self) -> list[torch.Tensor]:
+        return [] if self._recorder is None else list(self._recorder.representations)
+
+    def _seen(self, targets: torch.Tensor, classes: int) -> torch.Tensor:
+        seen = self._seen_classes
+        if seen is None or seen.numel() != classes or seen.device != targets.device:
+            grown = torch.zeros(classes, dtype=torch.bool, device=targets.device)
+            if seen is not None:
+                grown[: min(classes, seen.numel())] = seen[:classes].to(targets.device)
+            seen = grown
+        self._seen_classes = seen.index_fill(0, targets.reshape(-1), True)
+        return self._seen_classes
+
+    # -- listener hooks ---------------------------------------------------------------------------
+
+    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+        """Offer the batch, its unmasked logits and its features to the buffer."""
+        if self.buffer is None:
+            return
+        inputs, targets = batch
+        metadata = {"logits": outputs["logits"]}
+        for i, feature in enumerate(outputs["features"]):
+            metadata[f"intermediate_representation_{i}"] = feature
+        self.buffer.update(inputs, targets, metadata)
+
+    def on_save_checkpoint(self, checkpoint: Any) -> None:
+        if self.buffer is not None:
+            checkpoint["buffer"] = self.buffer.state_dict()
+        if self._seen_classes is not None:
+            checkpoint["seen_classes"] = self._seen_classes
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        if self.buffer is not None:
+            if "buffer" not in checkpoint:
+                raise ValueError(
+                    "the checkpoint has no buffer for this learner; it was written by a learner "
+                    "without memory (memory_size=0)"
+                )
+            self.buffer.load_state_dict(checkpoint["buffer"])
+        seen = checkpoint.get("seen_classes")
+        self._seen_classes = None if seen is None else seen.clone()
+
+
+@attrs.define(eq=False)
+class FineTuningLearner(BaseExperienceReplayLearner):
+    """Plain fine-tuning on each update's data: no memory, no components (a lower baseline)."""
+
+    memory_size: int = attrs.field(default=0, validator=_int_at_least(0))
+
+
+@attrs.define(eq=False)
+class ExperienceReplayLearner(BaseExperienceReplayLearner):
+    """Experience replay: the loss on a fresh memory batch, weighted by ``alpha``.
+
+    Chaudhry et al., "On Tiny Episodic Memories in Continual Learning", arXiv:1902.10486, 2019.
+    Renate's default ``alpha = 1.0``.
+    """
+
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+
+    def _preset_components(self) -> dict[str, Component]:
+        return {
+            "memory_loss": WeightedCustomLossComponent(
+                loss_fn=self.loss_fn, weight=self.alpha, sample_new_memory_batch=True
+            )
+        }
+
+
+@attrs.define(eq=False)
+class DarkExperienceReplayLearner(BaseExperienceReplayLearner):
+    """Dark Experience Replay++: cross-entropy (``beta``) and logit MSE (``alpha``) on memory.
+
+    Buzzega et al., "Dark Experience for General Continual Learning: a Strong, Simple Baseline",
+    NeurIPS 2020. ``beta = 0`` is DER. Renate's defaults ``alpha = beta = 1.0``; the components
+    are ``memory_loss`` (fresh memory batch) then ``mse_loss`` (same batch), as in Renate.
+    """
+
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    beta: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+
+    def _preset_components(self) -> dict[str, Component]:
+        return {
+            "memory_loss": WeightedCustomLossComponent(
+                loss_fn=self.loss_fn, weight=self.beta, sample_new_memory_batch=True
+            ),
+            "mse_loss": WeightedMeanSquaredErrorLossComponent(
+                weight=self.alpha, sample_new_memory_batch=False
+            ),
+        }
+
+
+@attrs.define(eq=False)
+class PooledOutputDistillationExperienceReplayLearner(BaseExperienceReplayLearner):
+    """Pooled output distillation of the recorded intermediate representations (PODNet).
+
+    Douillard et al., "PODNet: Pooled Outputs Distillation for Small-Tasks Incremental Learning",
+    ECCV 2020. Set ``feature_modules`` to the submodules to distil. Renate's defaults: ``alpha =
+    1.0``, ``distillation_type = "spatial"``, ``normalize = True``.
+    """
+
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    distillation_type: str = attrs.field(default="spatial", kw_only=True)
+    normalize: bool = attrs.field(default=True, kw_only=True)
+
+    def _preset_components(self) -> dict[str, Component]:
+        return {
+            "pod_loss": WeightedPooledOutputDistillationLossComponent(
+                weight=self.alpha,
+                sample_new_memory_batch=True,
+                distillation_type=self.distillation_type,
+                normalize=self.normalize,
+            )
+        }
+
+
+@attrs.define(eq=False)
+class CLSExperienceReplayLearner(BaseExperienceReplayLearner):
+    """CLS-ER: memory cross-entropy (``alpha``) plus consistency with stable/plastic EMA models.
+
+    Arani et al., "Learning Fast, Learning Slow", ICLR 2022. Renate's defaults: ``alpha = 0.5``,
+    ``beta = 0.1``, update weights 0.999 and 0.999, update probabilities 0.7 (stable), 0.9
+    (plastic).
+    """
+
+    alpha: float = attrs.field(default=0.5, kw_only=True, validator=_number_in(0, None))
+    beta: float = attrs.field(default=0.1, kw_only=True, validator=_number_in(0, None))
+    stable_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
+    plastic_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
+    stable_model_update_probability: float = attrs.field(default=0.7, kw_only=True)
+    plastic_model_update_probability: float = attrs.field(default=0.9, kw_only=True)
+
+    def _preset_components(self) -> dict[str, Component]:
+        return {
+            "memory_loss": WeightedCustomLossComponent(
+                loss_fn=self.loss_fn, weight=self.alpha, sample_new_memory_batch=True
+            ),
+            "cls_loss": WeightedCLSLossComponent(
+                weight=self.beta,
+                sample_new_memory_batch=False,
+                stable_model_update_weight=self.stable_model_update_weight,
+                plastic_model_update_weight=self.plastic_model_update_weight,
+                stable_model_update_probability=self.stable_model_update_probability,
+                plastic_model_update_probability=self.plastic_model_update_probability,
+                seed=self.seed,
+            ),
+        }
+
+
+@attrs.define(eq=False)
+class SuperExperienceReplayLearner(BaseExperienceReplayLearner):
+    """Renate's combination: DER++, CLS-ER, shrink-and-perturb and POD in one learner.
+
+    Renate's defaults: ``der_alpha = der_beta = 1.0``, ``sp_shrink_factor = 0.95``,
+    ``sp_sigma = 0.001``, ``cls_alpha = 0.1`` with CLS update weights 0.999/0.999 and
+    probabilities 0.7/0.9, ``pod_alpha = 1.0`` (``"spatial"``, normalised). POD needs
+    ``feature_modules``; with ``pod_alpha = 0`` it is skipped.
+    """
+
+    der_alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    der_beta: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    sp_shrink_factor: float = attrs.field(default=0.95, kw_only=True)
+    sp_sigma: float = attrs.field(default=0.001, kw_only=True)
+    cls_alpha: float = attrs.field(default=0.1, kw_only=True, validator=_number_in(0, None))
+    cls_stable_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
+    cls_plastic_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
+    cls_stable_model_update_probability: float = attrs.field(default=0.7, kw_only=True)
+    cls_plastic_model_update_probability: float = attrs.field(default=0.9, kw_only=True)
+    pod_alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    pod_distillation_type: str = attrs.field(default="spatial", kw_only=True)
+    pod_normalize: bool = attrs.field(default=True, kw_only=True)
+
+    def _preset_components(self) -> dict[str, Component]:
+        return {
+            "mse_loss": WeightedMeanSquaredErrorLossComponent(
+                weight=self.der_alpha, sample_new_memory_batch=True
+            ),
+            "memory_loss": WeightedCustomLossComponent(
+                loss_fn=self.loss_fn, weight=self.der_beta, sample_new_memory_batch=True
+            ),
+            "cls_loss": WeightedCLSLossComponent(
+                weight=self.cls_alpha,
+                sample_new_memory_batch=False,
+                stable_model_update_weight=self.cls_stable_model_update_weight,
+                plastic_model_update_weight=self.cls_plastic_model_update_weight,
+                stable_model_update_probability=self.cls_stable_model_update_probability,
+                plastic_model_update_probability=self.cls_plastic_model_update_probability,
+                seed=self.seed,
+            ),
+            "shrink_perturb": ShrinkAndPerturbReinitializationComponent(
+                shrink_factor=self.sp_shrink_factor, sigma=self.sp_sigma, seed=self.seed
+            ),
+            "pod_loss": WeightedPooledOutputDistillationLossComponent(
+                weight=self.pod_alpha,
+                sample_new_memory_batch=True,
+                distillation_type=self.pod_distillation_type,
+                normalize=self.pod_normalize,
+            ),
+        }
+
+
+@attrs.define(eq=False)
+class JointLearner(BaseExperienceReplayLearner):
+    """Trains on all data seen so far at every update (an upper baseline).
+
+    Every ``fit`` adds the new data to an :class:`~renate_events.memory.InfiniteBuffer` (stored in
+    checkpoints like any buffer) and trains on the whole buffer; with ``reset_model`` (default)
+    the model's parameters are re-initialised first, so each update is joint training from
+    scratch. ``fit`` needs a dataset whose items are ``(inputs, target)`` tensors.
+    """
+
+    memory_size: int = attrs.field(default=0, validator=_int_at_least(0))
+    reset_model: bool = attrs.field(default=True, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.buffer is None:
+            self.buffer = InfiniteBuffer(seed=self.seed)
+        super().__attrs_post_init__()
+
+    def fit(
+        self,
+        train_data: Dataset[Any] | Iterable[Any],
+        val_data: Dataset[Any] | Iterable[Any] | None = None,
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> FitResult:
+        buffer = self.buffer
+        if buffer is None:  # pragma: no cover - set in __attrs_post_init__
+            raise RuntimeError("JointLearner has no buffer")
+        if resume_from is None:
+            for inputs, targets in DataLoader(train_data, batch_size=1024):  # type: ignore[arg-type]
+                buffer.update(inputs, targets)
+            if self.reset_model:
+                for module in self.model.modules():
+                    if hasattr(module, "reset_parameters"):
+                        module.reset_parameters()
+        return super().fit(buffer.dataset(), val_data, resume_from=resume_from)
+
+    def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
+        if isinstance(data, BufferDataset):  # stacked batches straight from the buffer's storage
+            sampler = _LiveShuffle(data) if shuffle else None
+            return DataLoader(
+                data, batch_size=self._new_batch_size, sampler=sampler, collate_fn=data.collate
+            )
+        return super()._loader(data, shuffle)
+
+    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+        """The buffer already holds every training sample; nothing to add per step."""
+
+
+class _LiveShuffle(torch.utils.data.Sampler[int]):
+    """Shuffles with torch's global RNG over the dataset's length at iteration time, so that a
+    buffer filled or restored after the loader was built is sampled in full."""
+
+    def __init__(self, data: BufferDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(len(self.data)).tolist())

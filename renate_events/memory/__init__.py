@@ -1,0 +1,44 @@
+"""Replay memories for experience replay, on preallocated tensor storage.
+
+Public names follow Renate's buffers:
+
+* :class:`DataBuffer`: the abstract base (update / sample / metadata / state dict),
+* :class:`ReservoirBuffer`: uniform random subset of the stream (Vitter 1985),
+* :class:`SlidingWindowBuffer`: the most recent samples,
+* :class:`GreedyClassBalancingBuffer`: class-balanced memory of GDumb (Prabhu et al., 2020),
+* :class:`InfiniteBuffer`: everything.
+
+Example:
+    >>> import torch
+    >>> from renate_events.memory import ReservoirBuffer
+    >>> memory = ReservoirBuffer(max_size=500, seed=0)
+    >>> memory.update(torch.randn(32, 784), torch.randint(0, 10, (32,)),
+    ...               metadata={"logits": torch.randn(32, 10)})
+    >>> (inputs, targets), metadata = memory.sample(16)
+    >>> inputs.shape, metadata["idx"].dtype
+    (torch.Size([16, 784]), torch.int64)
+"""
+
+from __future__ import annotations
+
+from renate_events.memory.buffers import (
+    STATE_FORMAT_VERSION,
+    BatchMemory,
+    BufferDataset,
+    DataBuffer,
+    GreedyClassBalancingBuffer,
+    InfiniteBuffer,
+    ReservoirBuffer,
+    SlidingWindowBuffer,
+)
+
+__all__ = [
+    "STATE_FORMAT_VERSION",
+    "BatchMemory",
+    "BufferDataset",
+    "DataBuffer",
+    "GreedyClassBalancingBuffer",
+    "InfiniteBuffer",
+    "ReservoirBuffer",
+    "SlidingWindowBuffer",
+]
