@@ -59,6 +59,17 @@ def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
     return model(inputs)
 
 
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Move a nested memory batch to the model's device (a no-op where it already is)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=True)
+    if isinstance(value, Mapping):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
+
+
 def _number_in(low: float, high: float | None, *, low_open: bool = False, high_open: bool = False):
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
@@ -141,6 +152,8 @@ class BaseExperienceReplayLearner:
        ``on_train_batch_end`` run.
 
     Memory batches are tensor operations on the buffer's device; no DataLoader is built per step.
+    A buffer on another device than the model is allowed (its batches are copied to the model's
+    device); pass ``buffer=ReservoirBuffer(..., device="cuda")`` to keep it on the GPU.
 
     Args:
         model: The model; called as ``model(x)``, ``model(*x)`` or ``model(**x)`` (see
@@ -328,7 +341,7 @@ class BaseExperienceReplayLearner:
             batch_memory = outputs_memory = features_memory = None
             for component in self.components.values():
                 if component.sample_new_memory_batch or batch_memory is None:
-                    batch_memory = buffer.sample(self._memory_batch())
+                    batch_memory = _to_device(buffer.sample(self._memory_batch()), outputs.device)
                     (inputs_memory, _), metadata = batch_memory
                     outputs_memory = self._forward(inputs_memory)
                     features_memory = self._features()

@@ -342,3 +342,22 @@ def test_no_pickle_anywhere_in_the_packages():
 def test_save_or_load_without_attached_model_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="no model and optimizer are attached"):
         Trainer().save_checkpoint(tmp_path / "x.safetensors")
+
+
+def test_optimizer_state_of_the_wrong_shape_is_reported(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    wide = torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.0), torch.nn.Linear(32, 3)
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=re.escape(
+            "state 'exp_avg' of parameter 0 has shape (16, 6) in the file, the parameter has "
+            "shape (32, 6)"
+        ),
+    ):
+        trainer.load_checkpoint(
+            tmp_path / "c.safetensors", model=wide, optimizer=torch.optim.Adam(wide.parameters())
+        )

@@ -681,6 +681,8 @@ class Trainer:
                 f"optimizer: parameter groups of sizes {saved_sizes} in the file, "
                 f"{live_sizes} in the optimizer"
             )
+        else:
+            problems.extend(_optimizer_state_problems(tree["optimizer"], optimizer))
         if (tree["scheduler"] is None) != (self.scheduler is None):
             saved_one = "no scheduler" if tree["scheduler"] is None else "a scheduler"
             have = "a scheduler" if self.scheduler is not None else "none"
@@ -738,6 +740,30 @@ class Trainer:
             "optimizer": self.optimizer,
             "state": self.state,
         }
+
+
+def _optimizer_state_problems(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Per-parameter state whose shape cannot belong to its parameter (e.g. Adam moments)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    problems = []
+    for index, values in (saved.get("state") or {}).items():
+        position = int(index) if str(index).isdigit() else -1
+        if not 0 <= position < len(params):
+            problems.append(f"optimizer: state for parameter {index!r}, which does not exist")
+            continue
+        shape = tuple(params[position].shape)
+        for name, value in values.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() == len(shape)
+                and value.dim() > 0
+                and tuple(value.shape) != shape
+            ):
+                problems.append(
+                    f"optimizer: state {name!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)} in the file, the parameter has shape {shape}"
+                )
+    return problems
 
 
 def _split_step_output(outputs: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
