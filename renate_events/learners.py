@@ -308,6 +308,25 @@ class BaseExperienceReplayLearner:
             resume_from=resume_from,
         )
 
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole learner (model, optimizer, buffer, components, progress) to ``path``."""
+        self.trainer.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore :meth:`save_checkpoint`'s file before the next ``fit``.
+
+        An optimizer (and scheduler) is made as ``fit`` would make it, so that the file's are
+        checked against it; the next ``fit`` continues with the restored model, buffer and
+        components (with a fresh optimizer when ``optimizer`` is a factory).
+        """
+        optimizer = self._make_optimizer()
+        scheduler = None
+        if self.learning_rate_scheduler is not None:
+            scheduler = self.learning_rate_scheduler(optimizer)
+        self.trainer.load_checkpoint(
+            path, model=self.model, optimizer=optimizer, scheduler=scheduler
+        )
+
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
         if isinstance(data, Dataset):
             return DataLoader(data, batch_size=self._new_batch_size, shuffle=shuffle)

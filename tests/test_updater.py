@@ -1,0 +1,139 @@
+"""ModelUpdater: state folders, separate processes, configuration checks."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
+from trainer import read_checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch.utils.data import TensorDataset
+    from renate_events.updater import ModelUpdater
+
+    learner, first, last, input_folder, output_folder = sys.argv[1:6]
+    torch.manual_seed(123)  # the model's initial weights (replaced by the input folder's)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    updater = ModelUpdater(
+        model, learner=learner,
+        learner_kwargs={"memory_size": 24, "memory_batch_size": 8, "batch_size": 8, "seed": 5},
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        trainer_kwargs={"max_epochs": 2, "device": "cpu"},
+        input_state_folder=None if input_folder == "-" else input_folder,
+        output_state_folder=output_folder,
+    )
+    for task in range(int(first), int(last)):
+        g = torch.Generator().manual_seed(task)
+        x = torch.randn(40, 5, generator=g)
+        y = torch.randint(2 * task, 2 * task + 2, (40,), generator=g)
+        updater.update(TensorDataset(x, y), task_id=f"task-{task}")
+    """
+)
+
+
+def _run(tmp_path, *args):
+    script = tmp_path / "update.py"
+    script.write_text(SCRIPT)
+    subprocess.run(
+        [sys.executable, str(script), *map(str, args)], check=True, cwd=ROOT, timeout=300
+    )
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}.{key}")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _flat(value, f"{prefix}.{i}")
+    else:
+        yield prefix, tree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", ["der", "cls-er"])
+def test_k_updates_in_k_processes_equal_one_process(tmp_path, learner):
+    _run(tmp_path, learner, 0, 3, "-", tmp_path / "single")
+    _run(tmp_path, learner, 0, 1, "-", tmp_path / "s1")
+    _run(tmp_path, learner, 1, 2, tmp_path / "s1", tmp_path / "s2")
+    _run(tmp_path, learner, 2, 3, tmp_path / "s2", tmp_path / "s3")
+    single = read_checkpoint(tmp_path / "single" / "learner.safetensors")
+    chained = read_checkpoint(tmp_path / "s3" / "learner.safetensors")
+    for section in ("model", "listeners"):
+        a, b = dict(_flat(single[section])), dict(_flat(chained[section]))
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+    assert len(single["listeners"]["learner"]["buffer"]["targets"]) == 24
+    manifest = read_manifest(tmp_path / "s3")
+    assert manifest["updates"] == 3
+    assert manifest["task_ids"] == ["task-0", "task-1", "task-2"]
+
+
+def _updater(model, **kwargs):
+    return ModelUpdater(
+        model,
+        learner=kwargs.pop("learner", "er"),
+        learner_kwargs=kwargs.pop("learner_kwargs", {"memory_size": 10, "batch_size": 8}),
+        trainer_kwargs={"device": "cpu"},
+        **kwargs,
+    )
+
+
+def _task():
+    return TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+
+def test_folder_from_another_learner_or_model_is_refused_naming_the_difference(tmp_path):
+    _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s").update(_task())
+    other = _updater(torch.nn.Linear(4, 3), learner="der", input_state_folder=tmp_path / "s")
+    with pytest.raises(StateFolderError) as info:
+        other.update(_task())
+    message = str(info.value)
+    assert "learner: the folder has 'er', this updater 'der'" in message
+    assert "'weight' is float32 (2, 4) in the folder, float32 (3, 4) in the model" in message
+
+
+def test_damaged_or_missing_folders_are_clear_errors(tmp_path):
+    with pytest.raises(StateFolderError, match="not a state folder"):
+        _updater(torch.nn.Linear(4, 2), input_state_folder=tmp_path).update(_task())
+    _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s").update(_task())
+    checkpoint = tmp_path / "s" / "learner.safetensors"
+    data = bytearray(checkpoint.read_bytes())
+    data[-1] ^= 0xFF
+    checkpoint.write_bytes(bytes(data))
+    with pytest.raises(StateFolderError, match="does not match the checksum"):
+        read_manifest(tmp_path / "s")
+
+
+def test_rewriting_a_folder_replaces_it_whole(tmp_path):
+    updater = _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s")
+    updater.update(_task(), task_id=1)
+    updater.update(_task(), task_id=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["task_ids"] == [1, 2] and manifest["updates"] == 2
+
+
+def test_invalid_configuration():
+    with pytest.raises(ValueError, match="unknown learner 'gem'"):
+        ModelUpdater(torch.nn.Linear(2, 2), learner="gem")
+    with pytest.raises(ValueError, match="'name' in"):
+        ModelUpdater(torch.nn.Linear(2, 2), optimizer={"name": "lbfgs"})
+    with pytest.raises(TypeError, match="must be JSON-able"):
+        ModelUpdater(torch.nn.Linear(2, 2), learner_kwargs={"loss_fn": print})
