@@ -101,8 +101,29 @@ def test_resume_at_epoch_boundary_is_bit_identical(tmp_path, accumulate):
     _assert_same_state(uninterrupted, _full_state(model, optimizer, counter))
 
 
-@pytest.mark.parametrize(("stop_at", "accumulate"), [(7, 1), (3, 2), (13, 2), (12, 3)])
-def test_resume_mid_epoch_is_bit_identical(tmp_path, stop_at, accumulate):
+class SaveThenCrash:
+    """Saves at the batch_end of step ``stop_at`` and dies at the next batch, as a killed process
+    would (the save is written once every listener has handled that batch_end)."""
+
+    def __init__(self, path, stop_at):
+        self.path, self.stop_at = path, stop_at
+
+    def on_batch_end(self, trainer, state):
+        if state.global_step == self.stop_at:
+            trainer.save_checkpoint(self.path)
+
+    def on_batch_start(self, state):
+        if state.global_step == self.stop_at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("stop_at", "accumulate", "priority"),
+    [(7, 1, 0), (3, 2, 5), (13, 2, 0), (12, 3, -1), (5, 1, 5), (10, 2, 0), (5, 2, -5)],
+)
+def test_resume_mid_epoch_is_bit_identical(tmp_path, stop_at, accumulate, priority):
+    """Steps 5 and 10 are the last batches of epochs 0 and 1; priority 5 saves before the other
+    listener has seen the batch, which must not matter."""
     torch.manual_seed(5)
     trainer, model, optimizer, scheduler, counter = _setup(
         max_epochs=3, accumulate_grad_batches=accumulate
@@ -110,17 +131,11 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, stop_at, accumulate):
     _run(trainer, model, optimizer, scheduler)
     uninterrupted = _full_state(model, optimizer, counter)
 
-    class SaveAndCrash:
-        def on_batch_end(self, trainer, state):
-            if state.global_step == stop_at:
-                trainer.save_checkpoint(tmp_path / "mid.safetensors")
-                raise KeyboardInterrupt  # the process dies right after the save
-
     torch.manual_seed(5)
     trainer, model, optimizer, scheduler, counter = _setup(
         max_epochs=3, accumulate_grad_batches=accumulate
     )
-    trainer.subscribe(SaveAndCrash(), priority=-1)
+    trainer.subscribe(SaveThenCrash(tmp_path / "mid.safetensors", stop_at), priority=priority)
     with pytest.raises(KeyboardInterrupt):
         _run(trainer, model, optimizer, scheduler)
 
@@ -129,6 +144,63 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, stop_at, accumulate):
     )
     _run(trainer, model, optimizer, scheduler, resume_from=tmp_path / "mid.safetensors")
     _assert_same_state(uninterrupted, _full_state(model, optimizer, counter))
+    assert scheduler.get_last_lr() == pytest.approx([0.01 * 0.9**3])
+
+
+def test_checkpoint_at_epoch_end_resumes_with_the_pending_validation(tmp_path):
+    """A plateau scheduler stepped from validation_end sees every validation exactly once."""
+
+    class Plateau:
+        def __init__(self, optimizer):
+            self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            self.seen = 0
+
+        def on_validation_end(self, metrics):
+            self.scheduler.step(metrics["val_loss"] + self.seen)  # always worse: lr drops
+            self.seen += 1
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["plateau"] = self.scheduler.state_dict()
+            checkpoint["seen"] = self.seen
+
+        def on_load_checkpoint(self, checkpoint):
+            self.scheduler.load_state_dict(checkpoint["plateau"])
+            self.seen = checkpoint["seen"]
+
+    class SaveAtEpochEnd:
+        def on_epoch_end(self, trainer, state):
+            if state.epoch == 1:
+                trainer.save_checkpoint(tmp_path / "e.safetensors")
+
+        def on_epoch_start(self, state):
+            if state.epoch == 2:
+                raise KeyboardInterrupt
+
+    def run(crash, resume=None):
+        model = make_model(seed=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = Trainer(max_epochs=4, device="cpu")
+        plateau = Plateau(optimizer)
+        trainer.subscribe(plateau, name="plateau")
+        if crash:
+            trainer.subscribe(SaveAtEpochEnd())
+        loader = make_loader(make_data(n=16), batch_size=8)
+        trainer.fit(
+            model,
+            optimizer,
+            loader,
+            classification_step(model),
+            val_loader=loader,
+            resume_from=resume,
+        )
+        return parameters_of(model), plateau.seen, optimizer.param_groups[0]["lr"]
+
+    reference = run(False)
+    with pytest.raises(KeyboardInterrupt):
+        run(True)
+    resumed = run(False, resume=tmp_path / "e.safetensors")
+    assert_same_tensors(reference[0], resumed[0])
+    assert reference[1:] == resumed[1:] == (4, pytest.approx(0.1 * 0.1**3))
 
 
 def test_checkpoint_is_readable_with_safe_open_alone(tmp_path):

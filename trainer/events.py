@@ -249,6 +249,21 @@ class EventSignal(blinker.Signal):
         Raises:
             ListenerError: When a receiver raises; the original error is chained.
         """
+        registry = self._registry
+        registry.depth += 1
+        try:
+            results = self._dispatch(payload)
+        except BaseException:
+            registry.depth -= 1
+            if registry.depth == 0:
+                registry.deferred.clear()  # the run failed: drop what waited for this event
+            raise
+        registry.depth -= 1
+        if registry.depth == 0 and registry.deferred:
+            registry.run_deferred()
+        return results
+
+    def _dispatch(self, payload: dict[str, Any]) -> list[tuple[Callable[..., Any], Any]]:
         results = []
         scoped = self.spec.scoped
         for receiver in self._ordered:
@@ -295,6 +310,9 @@ class Events:
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
+        self.depth = 0
+        """How many events are being dispatched right now (nested sends count)."""
+        self.deferred: list[Callable[[], Any]] = []
         self._counter = itertools.count()
         self._by_key: dict[str, Subscription] = {}
         self._by_id: dict[int, Subscription] = {}
@@ -306,6 +324,23 @@ class Events:
 
     def __iter__(self) -> Iterator[EventSignal]:
         return iter(self.signals.values())
+
+    @property
+    def dispatching(self) -> bool:
+        """True while a receiver of some event is running."""
+        return self.depth > 0
+
+    def defer(self, action: Callable[[], Any]) -> None:
+        """Run ``action`` once the event being dispatched has reached every receiver.
+
+        Dropped if a receiver of that event raises.
+        """
+        self.deferred.append(action)
+
+    def run_deferred(self) -> None:
+        actions, self.deferred = self.deferred, []
+        for action in actions:
+            action()
 
     # -- subscriptions -------------------------------------------------------------------------
 

@@ -165,6 +165,8 @@ class Trainer:
     _resume_at: tuple[int, int] = attrs.field(init=False, default=(0, 0), repr=False)
     _epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _loaded_epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+    _loaded_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+    _validation_pending: bool = attrs.field(init=False, default=False, repr=False)
     _accumulated: int = attrs.field(init=False, default=0, repr=False)
 
     # -- listeners ------------------------------------------------------------------------------
@@ -284,14 +286,17 @@ class Trainer:
         self._attach_for_fit(model, optimizer, scheduler, device)
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
-        self._resume_at, self._loaded_epoch_rng, self._accumulated = (0, 0), None, 0
+        self._resume_at, self._loaded_epoch_rng, self._loaded_rng = (0, 0), None, None
+        self._accumulated, self._validation_pending = 0, False
         resume = None
         if resume_from is not None:  # read and check now, restore after train_start
             path = os.fspath(resume_from)
             tree = read_checkpoint(path)
             resume = (path, tree, self._check_checkpoint(path, tree, model, optimizer, True))
-        elif self.seed is not None:
-            _runtime.seed_everything(self.seed)
+        else:
+            optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
+            if self.seed is not None:
+                _runtime.seed_everything(self.seed)
         move = _runtime.make_mover(device)
         autocast = _runtime.autocast_factory(self.precision, device)
         ev = self.events
@@ -308,16 +313,24 @@ class Trainer:
                 self._apply_checkpoint(*resume)
             epochs, last_loss, val_metrics = 0, None, {}
             first_epoch, skip = self._resume_at
+            if self._validation_pending and val_loader is not None:
+                # The checkpoint was taken after an epoch, before its validation: run it now.
+                val_metrics = self._validate(model, val_loader, val_step, move, autocast, common)
             for epoch in itertools.count(first_epoch):
                 if self._finished(epoch):
                     break
                 state.epoch, epochs = epoch, epochs + 1
-                # Epoch start: remember the RNG that orders this epoch's data (mid-epoch resume).
                 skip = skip if epoch == first_epoch else 0
-                self._epoch_rng = _runtime.get_rng_state() if skip == 0 else self._loaded_epoch_rng
                 if ev.epoch_start.active:
                     ev.epoch_start.send(self, **common)
+                # Remember the RNG that orders this epoch's data (for a mid-epoch resume); in a
+                # resumed epoch, replay that order and continue with the checkpoint's RNG.
+                if skip == 0:
+                    self._epoch_rng = _runtime.get_rng_state()
+                elif self._loaded_rng is not None:
+                    _runtime.set_rng_state(self._loaded_rng)
                 batches, length = self._epoch_batches(train_loader, skip)
+                done, exhausted = skip, True
                 for batch_idx, batch in enumerate(batches, start=skip):
                     # Batch start: the batch is on the device.
                     state.batch_idx = batch_idx
@@ -334,31 +347,38 @@ class Trainer:
                     if self._accumulated == self.accumulate_grad_batches or last:
                         self._optimizer_step(scheduler if scheduler_interval == "step" else None)
                     state.global_step += 1
-                    self._resume_at = (epoch, batch_idx + 1)
+                    done = batch_idx + 1
+                    self._resume_at = (epoch, done)
                     # Batch end: parameters are updated, the loss is still on the device.
                     if ev.batch_end.active:
                         ev.batch_end.send(self, batch=batch, outputs=outputs, loss=loss, **common)
                     last_loss = loss
                     if state.should_stop or self._steps_left() == 0:
+                        exhausted = done == length
                         break
-                if self._accumulated:  # an iterable without len() ended mid-window
-                    self._optimizer_step(scheduler if scheduler_interval == "step" else None)
-                completed = state.batch_idx + 1 == length or (
-                    length is None and not state.should_stop and self._steps_left() != 0
-                )
-                if length == 0 or (length is None and last_loss is None):
+                if done == 0:
                     raise ValueError(
                         "train_loader yielded no batches; give it data or check its sampler"
                     )
-                # Epoch end: a full epoch steps an epoch-interval scheduler first.
-                if completed:
+                if self._accumulated:  # an iterable without len() ended mid-window
+                    self._optimizer_step(scheduler if scheduler_interval == "step" else None)
+                # Epoch end: a full epoch steps an epoch-interval scheduler first. A checkpoint
+                # written from here on resumes at the next epoch (after this one's validation).
+                validate = (
+                    val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0
+                )
+                if exhausted:
                     if scheduler is not None and scheduler_interval == "epoch":
-                        scheduler.step()
+                        with warnings.catch_warnings():
+                            if done == skip:  # resumed after the epoch's last batch
+                                warnings.filterwarnings("ignore", "Detected call of `lr_sched")
+                            scheduler.step()
                     self._resume_at = (epoch + 1, 0)
+                    self._validation_pending = validate
                 if ev.epoch_end.active:
                     ev.epoch_end.send(self, **common)
                 # Validation every n-th epoch, isolated from the training RNG stream.
-                if val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0:
+                if validate:
                     val_metrics = self._validate(
                         model, val_loader, val_step, move, autocast, common
                     )
@@ -501,6 +521,7 @@ class Trainer:
         names = list(totals)
         means = (torch.stack([totals[n] for n in names]) / max(count, 1)).tolist() if names else []
         metrics = dict(zip(names, means))
+        self._validation_pending = False
         if ev.validation_end.active:
             ev.validation_end.send(self, metrics=metrics, **common)
         return metrics
@@ -526,19 +547,34 @@ class Trainer:
         the RNG states and the state every listener stores in its ``on_save_checkpoint``. Nothing
         is written if a listener raises.
 
+        Called from inside a listener (say at ``batch_end`` or ``epoch_end``), the file is written
+        as soon as every listener has handled that event, so that it holds one consistent state
+        whatever the order of the listeners; if a listener of that event raises, nothing is
+        written.
+
         Args:
             path: The file to write (conventionally ``*.safetensors``).
 
         Raises:
             RuntimeError: When no model is attached (call ``fit`` or ``attach`` first).
-            ListenerError: When a listener's ``on_save_checkpoint`` raised.
-            TypeError: When a listener stored a value a checkpoint cannot hold.
+            ListenerError: When a listener's ``on_save_checkpoint`` raised, for example a
+                ``TypeError`` for a value a checkpoint cannot hold (chained as the cause).
+            TypeError: When the scheduler or grad scaler state cannot be stored.
         """
+        self._require_attached("save")
+        if self.events.dispatching:
+            # Called from a listener: write once every listener has handled the current event,
+            # so that the file holds one consistent state whatever the listener order.
+            self.events.defer(lambda: self._write(os.fspath(path)))
+            return
+        self._write(os.fspath(path))
+
+    def _write(self, path: str) -> None:
         model, optimizer = self._require_attached("save")
         states = ListenerStates()
         ev = self.events
         if ev.save_checkpoint.active:
-            ev.save_checkpoint.send(self, checkpoint=states, path=os.fspath(path), **self._common())
+            ev.save_checkpoint.send(self, checkpoint=states, path=path, **self._common())
         stateful = [s.key for s in self.events.subscriptions() if "save_checkpoint" in s.receivers]
         pending = None
         if self._accumulated:
@@ -552,6 +588,7 @@ class Trainer:
                     "global_step": self.state.global_step,
                     "optimizer_steps": self.state.optimizer_steps,
                     "accumulated": self._accumulated,
+                    "validation_pending": self._validation_pending,
                 },
                 "listener_order": [s.key for s in self.events.subscriptions()],
                 "stateful_listeners": stateful,
@@ -598,6 +635,11 @@ class Trainer:
             CheckpointFormatError: The file is not a readable checkpoint.
             CheckpointMismatchError: Keys, shapes or dtypes differ; the message lists them all.
         """
+        if self.events.dispatching:
+            raise RuntimeError(
+                "cannot load a checkpoint while a listener is handling an event; resume a run "
+                "with fit(..., resume_from=path) or load between fits"
+            )
         model = self.model if model is None else model
         optimizer = self.optimizer if optimizer is None else optimizer
         if model is None or optimizer is None:
@@ -626,11 +668,13 @@ class Trainer:
         self.state.optimizer_steps = progress["optimizer_steps"]
         self._resume_at = (progress["epoch"], progress["batch"])
         self._accumulated = progress["accumulated"]
+        self._validation_pending = progress["validation_pending"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = tree["pending_grads"] or [None] * len(params)
         for param, grad in zip(params, grads):
             param.grad = None if grad is None else grad.to(param.device, param.dtype)
         _runtime.set_rng_state(tree["rng"]["current"])
+        self._loaded_rng = tree["rng"]["current"]
         self._loaded_epoch_rng = tree["rng"]["epoch_start"]
         self._epoch_rng = self._loaded_epoch_rng
         ev = self.events
