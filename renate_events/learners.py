@@ -70,6 +70,24 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _derived_seed(seed: int, stream: int) -> int:
+    """A distinct seed per random stream of one learner (buffer 0, CLS 1, shrink-perturb 2), so
+    that its generators never draw the same sequence."""
+    return (seed * 1_000_003 + stream * 7_919) % 2**63
+
+
+def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = f"a {type(batch).__name__}" + (
+        f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""
+    )
+    raise TypeError(
+        f"learners train on batches of (inputs, targets); got {shape}. Give fit() a dataset "
+        "whose items are (inputs, target) pairs, or a loader yielding such batches"
+    )
+
+
 def _number_in(low: float, high: float | None, *, low_open: bool = False, high_open: bool = False):
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
@@ -137,8 +155,8 @@ class BaseExperienceReplayLearner:
     One training step:
 
     1. the model runs on the new batch; its loss ``loss_fn(outputs, targets).mean()`` is scaled by
-       ``loss_weight`` (with ``mask_unused_classes``, logits of classes not seen so far are set to
-       ``-inf`` for this loss only);
+       ``loss_weight`` (with ``mask_unused_classes``, logits of classes not yet seen in this
+       update are set to ``-inf`` for this loss only);
     2. once the buffer holds a memory batch, for each component in order a memory batch is sampled
        and forwarded if the component asks for it (``sample_new_memory_batch``) or if none was
        sampled in this step yet, and ``component.loss(outputs_memory, batch_memory,
@@ -173,7 +191,9 @@ class BaseExperienceReplayLearner:
         loss_weight: Weight of the loss on new data.
         ema_memory_update_gamma: In (0, 1]; below 1 the stored logits are updated in place.
         loss_normalization: Divide the loss by the sum of the weights.
-        mask_unused_classes: Mask logits of classes not seen so far in the new-data loss.
+        mask_unused_classes: In the new-data loss, mask the logits of classes that this update's
+            data has not shown so far (Renate's behaviour: classes of earlier updates are
+            masked); stored logits and memory losses stay unmasked.
         buffer: A buffer to use instead of the default ``ReservoirBuffer(memory_size, seed)``.
         feature_modules: Names of submodules whose outputs are recorded as intermediate
             representations (stored with each sample, given to the components).
@@ -262,7 +282,9 @@ class BaseExperienceReplayLearner:
         else:
             self._new_batch_size = self.batch_size
         if self.buffer is None and self.memory_size > 0:
-            self.buffer = ReservoirBuffer(max_size=self.memory_size, seed=self.seed)
+            self.buffer = ReservoirBuffer(
+                max_size=self.memory_size, seed=_derived_seed(self.seed, 0)
+            )
         if self.feature_modules:
             self._recorder = IntermediateRepresentations(self.model, list(self.feature_modules))
         if self.trainer.seed is None:
@@ -347,7 +369,7 @@ class BaseExperienceReplayLearner:
 
     def training_step(self, batch: Any) -> dict[str, Any]:
         """Loss of one batch of new data plus the components' losses on memory batches."""
-        inputs, targets = batch
+        inputs, targets = _unpack(batch)
         outputs = self._forward(inputs)
         features = self._features()
         logits = outputs
@@ -369,9 +391,7 @@ class BaseExperienceReplayLearner:
                         updated = (
                             gamma * metadata["logits"] + (1.0 - gamma) * outputs_memory.detach()
                         )
-                        buffer.set_metadata(
-                            "logits", metadata["idx"], updated.to(metadata["logits"].dtype)
-                        )
+                        buffer.set_metadata("logits", metadata["idx"], updated, distinct=True)
                 loss = loss + component.loss(outputs_memory, batch_memory, features_memory).mean()
                 total_weight += component.weight
             if self.loss_normalization and total_weight > 0:
@@ -384,7 +404,7 @@ class BaseExperienceReplayLearner:
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
-        inputs, targets = batch
+        inputs, targets = _unpack(batch)
         outputs = self._forward(inputs)
         return {
             "loss": self.loss_fn(outputs, targets).mean(),
@@ -413,11 +433,15 @@ class BaseExperienceReplayLearner:
 
     # -- listener hooks ---------------------------------------------------------------------------
 
+    def on_train_start(self) -> None:
+        """A new update: ``mask_unused_classes`` masks the classes absent from this update."""
+        self._seen_classes = None
+
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any]) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
         if self.buffer is None:
             return
-        inputs, targets = batch
+        inputs, targets = _unpack(batch)
         metadata = {"logits": outputs["logits"]}
         for i, feature in enumerate(outputs["features"]):
             metadata[f"intermediate_representation_{i}"] = feature
@@ -541,7 +565,7 @@ class CLSExperienceReplayLearner(BaseExperienceReplayLearner):
                 plastic_model_update_weight=self.plastic_model_update_weight,
                 stable_model_update_probability=self.stable_model_update_probability,
                 plastic_model_update_probability=self.plastic_model_update_probability,
-                seed=self.seed,
+                seed=_derived_seed(self.seed, 1),
             ),
         }
 
@@ -584,10 +608,12 @@ class SuperExperienceReplayLearner(BaseExperienceReplayLearner):
                 plastic_model_update_weight=self.cls_plastic_model_update_weight,
                 stable_model_update_probability=self.cls_stable_model_update_probability,
                 plastic_model_update_probability=self.cls_plastic_model_update_probability,
-                seed=self.seed,
+                seed=_derived_seed(self.seed, 1),
             ),
             "shrink_perturb": ShrinkAndPerturbReinitializationComponent(
-                shrink_factor=self.sp_shrink_factor, sigma=self.sp_sigma, seed=self.seed
+                shrink_factor=self.sp_shrink_factor,
+                sigma=self.sp_sigma,
+                seed=_derived_seed(self.seed, 2),
             ),
             "pod_loss": WeightedPooledOutputDistillationLossComponent(
                 weight=self.pod_alpha,
@@ -613,7 +639,7 @@ class JointLearner(BaseExperienceReplayLearner):
 
     def __attrs_post_init__(self) -> None:
         if self.buffer is None:
-            self.buffer = InfiniteBuffer(seed=self.seed)
+            self.buffer = InfiniteBuffer(seed=_derived_seed(self.seed, 0))
         super().__attrs_post_init__()
 
     def fit(

@@ -39,9 +39,15 @@ from renate_events.learners import (
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
 )
+from renate_events.memory import (
+    DataBuffer,
+    GreedyClassBalancingBuffer,
+    ReservoirBuffer,
+    SlidingWindowBuffer,
+)
 from trainer import FitResult, Trainer
 
-__all__ = ["LEARNERS", "OPTIMIZERS", "ModelUpdater", "StateFolderError", "read_manifest"]
+__all__ = ["BUFFERS", "LEARNERS", "OPTIMIZERS", "ModelUpdater", "StateFolderError", "read_manifest"]
 
 LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "fine-tuning": FineTuningLearner,
@@ -54,6 +60,14 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
+
+BUFFERS: dict[str, type[DataBuffer]] = {
+    "reservoir": ReservoirBuffer,
+    "sliding-window": SlidingWindowBuffer,
+    "greedy-class-balancing": GreedyClassBalancingBuffer,
+}
+"""Buffer names for :class:`ModelUpdater` and the command line (built with the learner's
+``memory_size`` and ``seed``)."""
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -107,8 +121,11 @@ class ModelUpdater:
             ``alpha``, ``batch_size``, ``seed``, ...).
         optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``; a fresh optimizer is made for
             every update.
+        buffer: A name from :data:`BUFFERS` (used by learners with a memory).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
+        metadata: Anything JSON-able to keep in the manifest (the command line stores how to
+            rebuild its model there).
         input_state_folder: A folder written by a previous update, or None for the first one.
         output_state_folder: Where to write the state after each update, or None.
 
@@ -132,7 +149,9 @@ class ModelUpdater:
     optimizer: dict[str, Any] = attrs.field(
         factory=lambda: {"name": "adam", "lr": 3e-4}, validator=_optimizer_config
     )
+    buffer: str = attrs.field(default="reservoir", validator=attrs.validators.in_(BUFFERS))
     trainer_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=_json_able)
+    metadata: dict[str, Any] = attrs.field(factory=dict, validator=_json_able)
     input_state_folder: str | os.PathLike[str] | None = None
     output_state_folder: str | os.PathLike[str] | None = None
 
@@ -168,11 +187,20 @@ class ModelUpdater:
     def _build(self) -> BaseExperienceReplayLearner:
         options = dict(self.optimizer)
         factory = OPTIMIZERS[options.pop("name", "adam")]
-        learner = LEARNERS[self.learner](
+        kwargs = dict(self.learner_kwargs)
+        learner_class = LEARNERS[self.learner]
+        memory_size = kwargs.get(
+            "memory_size", attrs.fields_dict(learner_class)["memory_size"].default
+        )
+        if memory_size > 0 and learner_class is not JointLearner:
+            kwargs["buffer"] = BUFFERS[self.buffer](
+                max_size=memory_size, seed=kwargs.get("seed", 0)
+            )
+        learner = learner_class(
             model=self.model,
             optimizer=functools.partial(factory, **options),
             trainer=Trainer(**self.trainer_kwargs),
-            **self.learner_kwargs,
+            **kwargs,
         )
         if self.input_state_folder is not None:
             manifest = read_manifest(self.input_state_folder)
@@ -186,6 +214,7 @@ class ModelUpdater:
             "learner": self.learner,
             "learner_kwargs": self.learner_kwargs,
             "optimizer": self.optimizer,
+            "buffer": self.buffer,
             "model": _model_signature(self.model),
         }
 
@@ -195,6 +224,7 @@ class ModelUpdater:
             format=FORMAT_NAME,
             format_version=FORMAT_VERSION,
             trainer=self.trainer_kwargs,
+            metadata=self.metadata,
             **self._config(),
         )
         manifest.setdefault("updates", 0)
@@ -205,7 +235,7 @@ class ModelUpdater:
         folder = self.input_state_folder
         differences = []
         mine = self._config()
-        for key in ("learner", "learner_kwargs", "optimizer"):
+        for key in ("learner", "learner_kwargs", "optimizer", "buffer"):
             if manifest.get(key) != mine[key]:
                 differences.append(
                     f"{key}: the folder has {manifest.get(key)!r}, this updater {mine[key]!r}"

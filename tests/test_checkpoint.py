@@ -433,3 +433,52 @@ def test_optimizer_state_of_the_wrong_shape_is_reported(tmp_path):
         trainer.load_checkpoint(
             tmp_path / "c.safetensors", model=wide, optimizer=torch.optim.Adam(wide.parameters())
         )
+
+
+def test_a_listener_refusing_its_state_leaves_everything_as_it_was(tmp_path):
+    trainer, model, optimizer, scheduler, counter = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    _run(trainer, model, optimizer, scheduler)  # train on: the live state now differs
+    before = (parameters_of(model), counter.count, scheduler.get_last_lr(), torch.get_rng_state())
+    exp_avg = optimizer.state[model[0].weight]["exp_avg"].clone()
+
+    class Refuses:
+        def on_load_checkpoint(self, checkpoint):
+            raise ValueError("this state belongs to another buffer size")
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["x"] = 1
+
+    refuses = Refuses()
+    trainer.subscribe(refuses, name="refuses")
+    trainer.save_checkpoint(tmp_path / "with-refuses.safetensors")
+    counter.count = before[1]
+    with pytest.raises(ListenerError, match="another buffer size"):
+        trainer.load_checkpoint(tmp_path / "with-refuses.safetensors")
+    assert_same_tensors(before[0], parameters_of(model))
+    assert torch.equal(optimizer.state[model[0].weight]["exp_avg"], exp_avg)
+    assert scheduler.get_last_lr() == before[2]
+    assert torch.equal(torch.get_rng_state(), before[3])
+
+
+def test_optimizer_of_another_class_is_reported(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="written by Adam, the trainer has SGD"):
+        trainer.load_checkpoint(
+            tmp_path / "c.safetensors",
+            optimizer=sgd,
+            scheduler=torch.optim.lr_scheduler.StepLR(sgd, 1),
+        )
+
+
+def test_resuming_a_finished_run_warns_that_nothing_trains(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    with pytest.warns(UserWarning, match="finished run"):
+        result = _run(trainer, model, optimizer, scheduler, resume_from=tmp_path / "c.safetensors")
+    assert result.epochs == 0

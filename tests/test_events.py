@@ -151,16 +151,30 @@ def test_unknown_parameter_is_rejected_at_subscribe_and_nothing_is_connected():
     assert trainer.listeners == []
 
 
-def test_parameter_with_default_is_allowed():
-    class Defaulted:
-        def on_batch_end(self, loss, scale=2.0):
-            self.value = loss * scale
+def test_parameter_the_event_does_not_provide_is_rejected_even_with_a_default():
+    class Misspelt:
+        def on_batch_end(self, los=None):
+            pass
 
-    listener = Defaulted()
+    with pytest.raises(SubscriptionError, match="'los' \\(did you mean 'loss'\\?\\)"):
+        Trainer(device="cpu").subscribe(Misspelt())
+
+
+def test_subclass_override_of_an_aliased_hook_wins_over_the_inherited_name():
+    calls = []
+
+    class Base:
+        def on_train_batch_end(self, model):
+            calls.append("base")
+
+    class Child(Base):
+        def on_batch_end(self, state):
+            calls.append("child")
+
     trainer = Trainer(device="cpu")
-    trainer.subscribe(listener)
+    trainer.subscribe(Child())
     _fit(trainer)
-    assert listener.value.requires_grad
+    assert calls == ["child", "child"]
 
 
 def test_listener_without_hooks_or_with_alias_clash_is_rejected():

@@ -362,3 +362,23 @@ def test_replay_beats_fine_tuning_on_split_digits():
     # seed 0: fine-tuning 0.15, ER 0.79, DER++ 0.91).
     assert er > fine_tuning + 0.4, (er, fine_tuning)
     assert der > fine_tuning + 0.4, (der, fine_tuning)
+
+
+def test_mask_unused_classes_masks_classes_absent_from_this_update():
+    model = _model()
+    learner = FineTuningLearner(
+        model=model, mask_unused_classes=True, trainer=Trainer(max_epochs=1, device="cpu")
+    )
+    learner.fit(TensorDataset(torch.randn(8, 6), torch.tensor([0, 1] * 4)))
+    learner.on_train_start()  # the next update starts (the trainer calls this at train_start)
+    x, y = torch.randn(8, 6), torch.tensor([2, 3] * 4)
+    loss = learner.training_step((x, y))["loss"]
+    logits = model(x).detach()
+    logits[:, [0, 1]] = float("-inf")
+    torch.testing.assert_close(loss.detach(), torch.nn.functional.cross_entropy(logits, y))
+
+
+def test_batches_that_are_not_pairs_get_a_clear_error():
+    learner = FineTuningLearner(model=_model(), trainer=Trainer(max_epochs=1, device="cpu"))
+    with pytest.raises(TypeError, match=r"batches of \(inputs, targets\); got a list of 3 items"):
+        learner.fit([[torch.randn(2, 6), torch.tensor([0, 1]), torch.zeros(2)]])

@@ -286,6 +286,9 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     try:
         safetensors.torch.save_file(encoder.tensors, tmp, metadata=metadata)
         with open(tmp, "rb") as handle:

@@ -502,13 +502,28 @@ def _find_hooks(listener: Any) -> dict[str, Callable[..., Any]]:
                 f"{sorted(HOOK_ALIASES)}"
             )
         if event in hooks:
-            raise SubscriptionError(
-                f"{type(listener).__qualname__} defines both {sources[event]} and {attribute}, "
-                f"which receive the same event {event!r}; keep one"
-            )
+            # An override in a subclass wins over the other name inherited from a base class
+            # (a Component subclass may define on_batch_end next to the inherited no-op
+            # on_train_batch_end); two names defined at the same level are ambiguous.
+            mine, theirs = _defined_at(listener, attribute), _defined_at(listener, sources[event])
+            if mine == theirs:
+                raise SubscriptionError(
+                    f"{type(listener).__qualname__} defines both {sources[event]} and "
+                    f"{attribute}, which receive the same event {event!r}; keep one"
+                )
+            if mine > theirs:
+                continue
         hooks[event] = method
         sources[event] = attribute
     return hooks
+
+
+def _defined_at(listener: Any, attribute: str) -> int:
+    """Position in the MRO of the class that defines ``attribute`` (0: the listener's own)."""
+    for depth, cls in enumerate(type(listener).__mro__):
+        if attribute in vars(cls):
+            return depth
+    return -1  # set on the instance itself
 
 
 def _accepted(call: Callable[..., Any], spec: EventSpec, key: str) -> tuple[tuple[str, ...], bool]:
@@ -533,10 +548,15 @@ def _accepted(call: Callable[..., Any], spec: EventSpec, key: str) -> tuple[tupl
                     "events pass their payload by keyword"
                 )
             names.append(parameter.name)
-        elif parameter.default is inspect.Parameter.empty:
+        else:
+            close = difflib.get_close_matches(
+                parameter.name, sorted(spec.payload), n=1, cutoff=0.75
+            )
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SubscriptionError(
-                f"{_qualname(call)} ({key!r}) has a parameter {parameter.name!r} that event "
-                f"{spec.name!r} does not provide; it provides {sorted(spec.payload)}"
+                f"{_qualname(call)} ({key!r}) has a parameter {parameter.name!r}{hint} that event "
+                f"{spec.name!r} does not provide; it provides {sorted(spec.payload)}. Keep other "
+                "values as attributes of the listener"
             )
     return tuple(names), takes_all
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 import os
@@ -311,6 +312,14 @@ class Trainer:
                 ev.train_start.send(self, train_loader=train_loader, scheduler=scheduler, **common)
             if resume is not None:
                 self._apply_checkpoint(*resume)
+                if self._finished(self._resume_at[0]) and not self._validation_pending:
+                    warnings.warn(
+                        f"{resume[0]} is the checkpoint of a finished run (epoch "
+                        f"{self._resume_at[0]}, step {state.global_step}); this fit trains "
+                        "nothing. To train further on new data, restore it with "
+                        "load_checkpoint() and call fit() without resume_from.",
+                        stacklevel=2,
+                    )
             epochs, last_loss, val_metrics = 0, None, {}
             first_epoch, skip = self._resume_at
             if self._validation_pending and val_loader is not None:
@@ -590,6 +599,7 @@ class Trainer:
                     "accumulated": self._accumulated,
                     "validation_pending": self._validation_pending,
                 },
+                "optimizer_class": type(optimizer).__qualname__,
                 "listener_order": [s.key for s in self.events.subscriptions()],
                 "stateful_listeners": stateful,
                 "precision": self.precision,
@@ -654,7 +664,50 @@ class Trainer:
         self._apply_checkpoint(path, tree, plan)
 
     def _apply_checkpoint(self, path: str, tree: dict[str, Any], plan: list[str]) -> None:
-        """Restore a checkpoint that :meth:`_check_checkpoint` accepted."""
+        """Restore a checkpoint that :meth:`_check_checkpoint` accepted, all or nothing.
+
+        If anything fails on the way (a listener refusing its state, say), the model, optimizer,
+        scheduler, grad scaler, progress and RNG are put back as they were.
+        """
+        snapshot = self._snapshot()
+        try:
+            self._restore(tree, path)
+            ev = self.events
+            if ev.load_checkpoint.active:
+                saved = {key: tree["listeners"][key] for key in plan}
+                ev.load_checkpoint.send(
+                    self, checkpoint=ListenerStates(saved), path=path, **self._common()
+                )
+        except BaseException:
+            self._restore(snapshot, path)
+            raise
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The restorable state in the layout of a checkpoint tree, copied."""
+        model, optimizer = self._require_attached("load")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(_runtime.optimizer_state_to_tree(optimizer.state_dict())),
+            "scheduler": None
+            if self.scheduler is None
+            else copy.deepcopy(self.scheduler.state_dict()),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "trainer": {
+                "progress": {
+                    "epoch": self._resume_at[0],
+                    "batch": self._resume_at[1],
+                    "global_step": self.state.global_step,
+                    "optimizer_steps": self.state.optimizer_steps,
+                    "accumulated": self._accumulated,
+                    "validation_pending": self._validation_pending,
+                }
+            },
+            "pending_grads": [None if p.grad is None else p.grad.clone() for p in params],
+            "rng": {"current": _runtime.get_rng_state(), "epoch_start": self._epoch_rng},
+        }
+
+    def _restore(self, tree: dict[str, Any], path: str) -> None:
         model, optimizer = self._require_attached("load")
         model.load_state_dict(tree["model"])
         optimizer.load_state_dict(_runtime.optimizer_state_from_tree(tree["optimizer"], path))
@@ -677,12 +730,6 @@ class Trainer:
         self._loaded_rng = tree["rng"]["current"]
         self._loaded_epoch_rng = tree["rng"]["epoch_start"]
         self._epoch_rng = self._loaded_epoch_rng
-        ev = self.events
-        if ev.load_checkpoint.active:
-            saved = {key: tree["listeners"][key] for key in plan}
-            ev.load_checkpoint.send(
-                self, checkpoint=ListenerStates(saved), path=path, **self._common()
-            )
 
     def _check_checkpoint(
         self,
@@ -717,6 +764,12 @@ class Trainer:
                 problems.append(
                     f"model: {key!r} has dtype {got.dtype} in the file, {have.dtype} in the model"
                 )
+        saved_class = tree["trainer"].get("optimizer_class")
+        if saved_class != type(optimizer).__qualname__:
+            problems.append(
+                f"optimizer: the file was written by {saved_class}, the trainer has "
+                f"{type(optimizer).__qualname__}"
+            )
         groups = tree["optimizer"].get("param_groups", []) if tree["optimizer"] else []
         live_sizes = [len(g["params"]) for g in optimizer.param_groups]
         saved_sizes = [len(g.get("params", [])) for g in groups]

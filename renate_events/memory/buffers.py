@@ -477,7 +477,9 @@ class DataBuffer(abc.ABC):
         stored = self._stored_metadata(key)
         return stored.index_select(0, self._check_idx(idx))
 
-    def set_metadata(self, key: str, idx: torch.Tensor, values: torch.Tensor) -> None:
+    def set_metadata(
+        self, key: str, idx: torch.Tensor, values: torch.Tensor, *, distinct: bool = False
+    ) -> None:
         """Overwrite the metadata ``key`` of the slots ``idx`` in place.
 
         Used for instance to keep an exponential moving average of stored logits::
@@ -493,11 +495,17 @@ class DataBuffer(abc.ABC):
             idx: A 1-D integer tensor of slots in ``[0, len(self))``.
             values: A tensor of shape ``(len(idx), *per_sample_shape)`` with the stored dtype.
 
+            distinct: Promise that ``idx`` holds distinct in-range slots (as ``sample`` returns
+                them); skips the validation, which reads values back from the device.
+
         Raises:
             ValueError: For an unknown key, out-of-range slots, or values of the wrong shape or
                 dtype. Nothing is written then.
         """
         stored = self._stored_metadata(key)
+        if distinct:  # slots from sample(): in range and unique; skip the checks that sync
+            stored.index_copy_(0, idx, values.detach().to(stored.device, stored.dtype))
+            return
         idx = self._check_idx(idx)
         name = f"values for metadata[{key!r}]"
         if not isinstance(values, torch.Tensor):
