@@ -288,8 +288,8 @@ def test_unstorable_value_is_a_type_error_saying_what_to_store():
     state = ListenerState("x")
     with pytest.raises(TypeError, match="store a tensor"):
         state["obj"] = object()
-    with pytest.raises(TypeError, match="keys must be strings"):
-        state["d"] = {1: 2}
+    with pytest.raises(TypeError, match="all-string or all-int keys"):
+        state["d"] = {1: 2, "a": 3}
     with pytest.raises(TypeError, match="to_dense"):
         state["sparse"] = torch.eye(2).to_sparse()
     state["ok"] = {"a": [1, 2.5, None, True, "s", torch.ones(2)]}
@@ -482,3 +482,58 @@ def test_resuming_a_finished_run_warns_that_nothing_trains(tmp_path):
     with pytest.warns(UserWarning, match="finished run"):
         result = _run(trainer, model, optimizer, scheduler, resume_from=tmp_path / "c.safetensors")
     assert result.epochs == 0
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [1, 3, 3]),
+    "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 5),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=50),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=3),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)],
+        milestones=[2],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_torch_schedulers_round_trip(tmp_path, name):
+    def make():
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, optimizer, SCHEDULERS[name](optimizer)
+
+    model, optimizer, scheduler = make()
+    trainer = Trainer(max_epochs=2, device="cpu")
+    loader = make_loader(make_data(n=16), batch_size=8)
+    trainer.fit(
+        model,
+        optimizer,
+        loader,
+        classification_step(model),
+        scheduler=scheduler,
+        scheduler_interval="step",
+    )
+    trainer.save_checkpoint(tmp_path / "s.safetensors")
+    _, optimizer2, scheduler2 = make()
+    trainer.load_checkpoint(
+        tmp_path / "s.safetensors", model=make_model(), optimizer=optimizer2, scheduler=scheduler2
+    )
+    assert scheduler2.get_last_lr() == scheduler.get_last_lr()
+    assert str(scheduler2.state_dict()) == str(scheduler.state_dict())
+
+
+def test_int_keyed_dicts_round_trip(tmp_path):
+    from collections import Counter
+
+    write_checkpoint(
+        tmp_path / "t.safetensors", {"c": Counter({3: 2, 1: 1}), "t": {0: torch.ones(2)}}
+    )
+    back = read_checkpoint(tmp_path / "t.safetensors")
+    assert back["c"] == {3: 2, 1: 1} and torch.equal(back["t"][0], torch.ones(2))
+    with pytest.raises(TypeError, match="all-string or all-int keys"):
+        ListenerState("x")["mixed"] = {1: 1, "a": 2}

@@ -5,8 +5,9 @@ dicts, lists, JSON scalars and tensors (the trainer builds it from the model, op
 scheduler, grad scaler, progress, RNG states and every listener's state):
 
 * every tensor of the tree is stored as a safetensors tensor named by its dotted path in the tree
-  (``model.0.weight``, ``optimizer.state.0.exp_avg``, ``listeners.state.my_logger_0.total``);
-* the tree itself, with each tensor replaced by ``{"$tensor": "<name>"}``, is stored as JSON in the
+  (``model.0.weight``, ``optimizer.state.0.exp_avg``, ``listeners.my_logger_0.total``);
+* the tree itself, with each tensor replaced by ``{"$tensor": "<name>"}`` (and each dict with
+  integer keys written as ``{"$intkeys": [[key, value], ...]}``), is stored as JSON in the
   safetensors metadata under ``"tree"``, next to ``"format"`` (always ``"trainer.checkpoint"``) and
   ``"format_version"``.
 
@@ -56,6 +57,13 @@ FORMAT_VERSION = 1
 """Version of the layout described in this module; stored as ``"format_version"``."""
 
 _TENSOR = "$tensor"
+_INT_KEYS = "$intkeys"
+
+
+def _is_int_key(key: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool)
+
+
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
 
@@ -87,16 +95,19 @@ def check_value(value: Any, where: str) -> None:
             check_value(item, f"{where}[{i}]")
         return
     if isinstance(value, dict):
+        if value and all(_is_int_key(key) for key in value):
+            for key, item in value.items():  # e.g. MultiStepLR's Counter of milestones
+                check_value(item, f"{where}[{key!r}]")
+            return
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(
                     f"cannot store the dict at {where}: its key {key!r} is a "
-                    f"{type(key).__name__}, checkpoint dict keys must be strings; use str(key)"
+                    f"{type(key).__name__}; checkpoint dicts have all-string or all-int keys, "
+                    "use str(key)"
                 )
-            if key == _TENSOR:
-                raise TypeError(
-                    f"cannot store the dict at {where}: the key {_TENSOR!r} is reserved"
-                )
+            if key in (_TENSOR, _INT_KEYS):
+                raise TypeError(f"cannot store the dict at {where}: key {key!r} is reserved")
             check_value(item, f"{where}[{key!r}]")
         return
     hint = "a tensor (torch.as_tensor(...)) or a JSON-able value"
@@ -205,6 +216,9 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             return {_TENSOR: self._add_tensor(value, path)}
         if isinstance(value, dict):
+            if value and all(_is_int_key(key) for key in value):
+                items = [[key, self.encode(item, [*path, str(key)])] for key, item in value.items()]
+                return {_INT_KEYS: items}
             return {key: self.encode(item, [*path, key]) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.encode(item, [*path, str(i)]) for i, item in enumerate(value)]
@@ -254,6 +268,16 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], used: set[str], pat
                 )
             used.add(name)
             return tensors[name]
+        if _INT_KEYS in value:
+            items = value[_INT_KEYS]
+            if len(value) != 1 or not isinstance(items, list):
+                raise CheckpointFormatError(f"the tree entry {path or '<root>'} is malformed")
+            decoded = {}
+            for item in items:
+                if not (isinstance(item, list) and len(item) == 2 and _is_int_key(item[0])):
+                    raise CheckpointFormatError(f"the tree entry {path or '<root>'} is malformed")
+                decoded[item[0]] = _decode(item[1], tensors, used, f"{path}.{item[0]}")
+            return decoded
         return {
             k: _decode(v, tensors, used, f"{path}.{k}" if path else k) for k, v in value.items()
         }
