@@ -524,7 +524,12 @@ def test_torch_schedulers_round_trip(tmp_path, name):
         tmp_path / "s.safetensors", model=make_model(), optimizer=optimizer2, scheduler=scheduler2
     )
     assert scheduler2.get_last_lr() == scheduler.get_last_lr()
-    assert str(scheduler2.state_dict()) == str(scheduler.state_dict())
+    for _ in range(3):  # both continue the same schedule
+        optimizer.step()
+        optimizer2.step()
+        scheduler.step()
+        scheduler2.step()
+        assert scheduler2.get_last_lr() == scheduler.get_last_lr()
 
 
 def test_int_keyed_dicts_round_trip(tmp_path):
