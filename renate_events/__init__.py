@@ -5,6 +5,9 @@ Subpackages and modules:
     memory: replay buffers stored in preallocated tensors.
     learners: ``BaseExperienceReplayLearner`` and its presets (ER, DER++, POD, CLS-ER, Super-ER),
         plus the fine-tuning and joint baselines.
+    scenarios, datasets, evaluation: tasks from a dataset, offline data readers, metrics.
+    updater: ``ModelUpdater``, one update per new chunk of data through state folders.
+    cli: the ``renate-events`` command.
 
 Example:
     >>> import torch
@@ -13,6 +16,7 @@ Example:
 """
 
 from renate_events.components import Component
+from renate_events.evaluation import AccuracyMatrix, evaluate
 from renate_events.learners import (
     BaseExperienceReplayLearner,
     CLSExperienceReplayLearner,
@@ -30,10 +34,15 @@ from renate_events.memory import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
+from renate_events.scenarios import SCENARIOS, Task
+from renate_events.updater import LEARNERS, ModelUpdater
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "LEARNERS",
+    "SCENARIOS",
+    "AccuracyMatrix",
     "BaseExperienceReplayLearner",
     "CLSExperienceReplayLearner",
     "Component",
@@ -44,9 +53,12 @@ __all__ = [
     "GreedyClassBalancingBuffer",
     "InfiniteBuffer",
     "JointLearner",
+    "ModelUpdater",
     "PooledOutputDistillationExperienceReplayLearner",
     "ReservoirBuffer",
     "SlidingWindowBuffer",
     "SuperExperienceReplayLearner",
+    "Task",
     "__version__",
+    "evaluate",
 ]

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_readme_starts_with_the_install_and_test_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     block = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
-    assert block[0].endswith("python examples/quickstart.py")
+    assert block[0].endswith("&& renate-events run")
     assert block[1].endswith("python -m pytest")
     ci = (ROOT / ".ci" / "run").read_text()
     assert block[1] in ci.splitlines()

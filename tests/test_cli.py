@@ -1,0 +1,146 @@
+"""The renate-events command: run, update, evaluate, configuration and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+from renate_events.cli import main
+
+
+def test_run_writes_results_and_state(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        [
+            "run",
+            "--epochs",
+            "2",
+            "--seeds",
+            "0",
+            "1",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--learner",
+            "er",
+            "--memory-size",
+            "50",
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "er on split-digits, 2 seed(s)" in printed and "average_accuracy" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert [run["seed"] for run in results["runs"]] == [0, 1]
+    rows = results["runs"][0]["class_incremental"]["rows"]
+    assert len(rows) == 5 and all(len(row) == 5 for row in rows)
+    assert (out / "metrics.csv").read_text().startswith("seed,metric,value")
+    assert (out / "state" / "seed-1" / "manifest.json").exists()
+    pytest.importorskip("matplotlib")
+    assert (out / "accuracy_matrix.png").stat().st_size > 1000
+
+
+def test_config_file_and_flags_override_it(tmp_path, capsys):
+    config = tmp_path / "exp.toml"
+    config.write_text(
+        f'learner = "fine-tuning"\nepochs = 1\nhidden = [32]\noutput-dir = "{tmp_path / "cfg"}"\n'
+    )
+    assert main(["run", "--config", str(config), "--epochs", "2", "--no-progress"]) == 0
+    results = json.loads((tmp_path / "cfg" / "results.json").read_text())
+    assert results["config"]["learner"] == "fine-tuning"
+    assert results["config"]["epochs"] == 2 and results["config"]["hidden"] == [32]
+    config.write_text("learning_rate = 0.1\n")
+    assert main(["run", "--config", str(config)]) == 2
+    assert "unknown options ['learning_rate']" in capsys.readouterr().err
+
+
+def test_update_and_evaluate_through_state_folders(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", "--epochs", "1", "--output-dir", str(out), "--no-progress"]) == 0
+    data = tmp_path / "new.safetensors"
+    import safetensors.torch
+
+    safetensors.torch.save_file(
+        {"inputs": torch.rand(40, 64), "targets": torch.randint(0, 10, (40,))}, str(data)
+    )
+    state = out / "state" / "seed-0"
+    assert (
+        main(
+            [
+                "update",
+                "--input-state",
+                str(state),
+                "--data",
+                str(data),
+                "--output-state",
+                str(tmp_path / "next"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    manifest = json.loads((tmp_path / "next" / "manifest.json").read_text())
+    assert manifest["updates"] == 6
+    capsys.readouterr()
+    assert main(["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]) == 0
+    assert "average accuracy" in capsys.readouterr().out
+    assert main(["evaluate", "--state", str(tmp_path / "next"), "--scenario", "split-digits"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--epochs", "0"], "--epochs must be >= 1"),
+        (["run", "--scenario", "imagenet"], "unknown --scenario 'imagenet'"),
+        (
+            ["evaluate", "--state", "/nonexistent", "--scenario", "split-digits"],
+            "is not a state folder",
+        ),
+        (
+            ["update", "--input-state", "x", "--data", "missing.npz", "--output-state", "y"],
+            "--data missing.npz: no such file",
+        ),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_code_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_data_file_is_a_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    out = tmp_path / "out"
+    main(["run", "--epochs", "1", "--output-dir", str(out), "--no-progress"])
+    capsys.readouterr()
+    code = main(
+        [
+            "update",
+            "--input-state",
+            str(out / "state" / "seed-0"),
+            "--data",
+            str(bad),
+            "--output-state",
+            str(tmp_path / "n"),
+        ]
+    )
+    assert code == 2 and "is not a readable .npz file" in capsys.readouterr().err
+
+
+def test_console_script_help_for_every_subcommand():
+    for command in ([], ["run"], ["update"], ["evaluate"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "renate_events.cli", *command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0 and "usage: renate-events" in done.stdout
+        assert "example" in done.stdout.lower()
