@@ -1,0 +1,90 @@
+"""Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
+
+Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER and Joint with the command line's
+defaults (MLP 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of
+200) on Split-Digits (class-incremental, five two-class tasks) and prints average accuracy
+(class- and task-incremental), forgetting and wall time per run.
+
+Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from renate_events import evaluation
+from renate_events.cli import _mlp
+from renate_events.scenarios import split_digits
+from renate_events.updater import LEARNERS
+from trainer import Trainer
+
+METHODS = {
+    "fine-tuning": ("fine-tuning", {}),
+    "ER": ("er", {}),
+    "DER": ("der", {"beta": 0.0}),
+    "DER++": ("der", {}),
+    "POD-ER": ("pod-er", {"feature_modules": ["1"]}),
+    "CLS-ER": ("cls-er", {}),
+    "Super-ER": ("super-er", {"feature_modules": ["1"]}),
+    "Joint": ("joint", {}),
+}
+
+
+def run(method: str, seed: int, epochs: int) -> dict[str, float]:
+    name, extra = METHODS[method]
+    tasks = split_digits(seed=seed).tasks()
+    torch.manual_seed(seed)
+    model = _mlp(64, [256], 10)
+    kwargs = {"memory_batch_size": 32, "batch_size": 32, "seed": seed, **extra}
+    if name not in ("fine-tuning", "joint"):
+        kwargs["memory_size"] = 200
+    learner = LEARNERS[name](
+        model=model,
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+        trainer=Trainer(max_epochs=epochs, device="cpu"),
+        **kwargs,
+    )
+    class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
+    start = time.perf_counter()
+    for task in tasks:
+        learner.fit(task.train)
+        class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
+        task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
+    return {
+        "class-IL accuracy": evaluation.average_accuracy(class_matrix),
+        "task-IL accuracy": evaluation.average_accuracy(task_matrix),
+        "forgetting": evaluation.forgetting(class_matrix),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--epochs", type=int, default=10)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(
+        f"Split-Digits, class-incremental, {len(args.seeds)} seeds, {args.epochs} epochs/task, "
+        "1 thread; mean ± std"
+    )
+    header = f"{'method':12s} {'class-IL acc':>15s} {'task-IL acc':>15s} {'forgetting':>15s} "
+    print(header + f"{'s/run':>7s}")
+    for method in METHODS:
+        results = [run(method, seed, args.epochs) for seed in args.seeds]
+        cells = []
+        for key in ("class-IL accuracy", "task-IL accuracy", "forgetting"):
+            values = [r[key] for r in results]
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+            cells.append(f"{mean:7.3f} ± {std:.3f}")
+        seconds = sum(r["seconds"] for r in results) / len(results)
+        print(f"{method:12s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
