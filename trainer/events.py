@@ -269,16 +269,16 @@ class EventSignal(blinker.Signal):
         for receiver in self._ordered:
             if not receiver.live:  # unsubscribed by an earlier receiver of this same event
                 continue
+            names = receiver.names
             if receiver.takes_all:
                 kwargs = payload
+            elif names:
+                kwargs = {name: payload[name] for name in names}
             else:
-                kwargs = {name: payload[name] for name in receiver.names}
+                kwargs = _NO_KEYWORDS
             if scoped:
-                kwargs = dict(kwargs)
-                for name in scoped:
-                    if name in kwargs:
-                        kwargs[name] = kwargs[name].for_listener(receiver.key)
-                if any(kwargs.get(name, True) is None for name in scoped):
+                kwargs = self._scope(kwargs, receiver.key)
+                if kwargs is None:
                     continue  # nothing for this receiver (its state is absent from the file)
             try:
                 value = receiver.call(**kwargs)
@@ -291,6 +291,19 @@ class EventSignal(blinker.Signal):
                 ) from exc
             results.append((receiver.call, value))
         return results
+
+    def _scope(self, kwargs: dict[str, Any], key: str) -> dict[str, Any] | None:
+        """Replace per-listener payload values by this listener's part (None: skip it)."""
+        kwargs = dict(kwargs)
+        for name in self.spec.scoped:
+            if name in kwargs:
+                kwargs[name] = kwargs[name].for_listener(key)
+                if kwargs[name] is None:
+                    return None
+        return kwargs
+
+
+_NO_KEYWORDS: dict[str, Any] = {}
 
 
 class Events:
