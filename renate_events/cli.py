@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:" + __doc__.split("Examples::", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from renate_events import __version__
+
+    parser.add_argument("--version", action="version", version=f"renate-events {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,update,evaluate}")
 
     def training_options(p: argparse.ArgumentParser) -> None:
