@@ -258,7 +258,7 @@ class BaseExperienceReplayLearner:
 
     def __attrs_post_init__(self) -> None:
         if not self.components:
-            self.components = _named_components(self._preset_components())
+            self.components = _named_components(self.default_components())
         pod = [
             name
             for name, c in self.components.items()
@@ -293,8 +293,13 @@ class BaseExperienceReplayLearner:
         for name, component in self.components.items():
             self.trainer.subscribe(component, name=name)
 
-    def _preset_components(self) -> dict[str, Component]:
-        """The components of a preset; the base learner has none unless given."""
+    def default_components(self) -> dict[str, Component]:
+        """The ordered, named components used when none are given (a preset's list).
+
+        Override it in a subclass to extend a preset, e.g.
+        ``return {**super().default_components(), "mine": MyComponent()}``. The base learner
+        has none.
+        """
         return {}
 
     # -- one model update -----------------------------------------------------------------------
@@ -482,7 +487,7 @@ class ExperienceReplayLearner(BaseExperienceReplayLearner):
 
     alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
 
-    def _preset_components(self) -> dict[str, Component]:
+    def default_components(self) -> dict[str, Component]:
         return {
             "memory_loss": WeightedCustomLossComponent(
                 loss_fn=self.loss_fn, weight=self.alpha, sample_new_memory_batch=True
@@ -502,7 +507,7 @@ class DarkExperienceReplayLearner(BaseExperienceReplayLearner):
     alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
     beta: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
 
-    def _preset_components(self) -> dict[str, Component]:
+    def default_components(self) -> dict[str, Component]:
         return {
             "memory_loss": WeightedCustomLossComponent(
                 loss_fn=self.loss_fn, weight=self.beta, sample_new_memory_batch=True
@@ -526,7 +531,7 @@ class PooledOutputDistillationExperienceReplayLearner(BaseExperienceReplayLearne
     distillation_type: str = attrs.field(default="spatial", kw_only=True)
     normalize: bool = attrs.field(default=True, kw_only=True)
 
-    def _preset_components(self) -> dict[str, Component]:
+    def default_components(self) -> dict[str, Component]:
         return {
             "pod_loss": WeightedPooledOutputDistillationLossComponent(
                 weight=self.alpha,
@@ -553,7 +558,7 @@ class CLSExperienceReplayLearner(BaseExperienceReplayLearner):
     stable_model_update_probability: float = attrs.field(default=0.7, kw_only=True)
     plastic_model_update_probability: float = attrs.field(default=0.9, kw_only=True)
 
-    def _preset_components(self) -> dict[str, Component]:
+    def default_components(self) -> dict[str, Component]:
         return {
             "memory_loss": WeightedCustomLossComponent(
                 loss_fn=self.loss_fn, weight=self.alpha, sample_new_memory_batch=True
@@ -593,7 +598,7 @@ class SuperExperienceReplayLearner(BaseExperienceReplayLearner):
     pod_distillation_type: str = attrs.field(default="spatial", kw_only=True)
     pod_normalize: bool = attrs.field(default=True, kw_only=True)
 
-    def _preset_components(self) -> dict[str, Component]:
+    def default_components(self) -> dict[str, Component]:
         return {
             "mse_loss": WeightedMeanSquaredErrorLossComponent(
                 weight=self.der_alpha, sample_new_memory_batch=True

@@ -35,3 +35,27 @@ def test_quickstart_learns_digits(capsys):
     metrics = main(["--epochs", "3"])
     assert metrics["val_accuracy"] > 0.8
     assert "epoch 3/3" in capsys.readouterr().out
+
+
+def _example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["main"]
+
+
+def test_custom_listener_state_survives_a_checkpoint(capsys):
+    tracker = _example("custom_listener")()
+    assert tracker.best_epoch >= 0 and tracker.best < float("inf")
+
+
+def test_custom_component_runs_after_the_preset_components():
+    names = _example("custom_component")()
+    assert names == ["learner", "memory_loss", "mse_loss", "l2_pull"]
+
+
+def test_embedding_example_resumes(capsys):
+    loss = _example("embed_in_existing_loop")()
+    assert loss < 0.2
+    assert "epoch 2 done" in capsys.readouterr().out
+
+
+def test_continual_updates_example_chains_three_folders():
+    assert _example("continual_updates")() == ["day-0", "day-1", "day-2"]
