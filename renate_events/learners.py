@@ -442,9 +442,9 @@ class BaseExperienceReplayLearner:
         """A new update: ``mask_unused_classes`` masks the classes absent from this update."""
         self._seen_classes = None
 
-    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
-        if self.buffer is None:
+        if self.buffer is None or state.batch_skipped:
             return
         inputs, targets = _unpack(batch)
         metadata = {"logits": outputs["logits"]}
@@ -674,7 +674,7 @@ class JointLearner(BaseExperienceReplayLearner):
             )
         return super()._loader(data, shuffle)
 
-    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """The buffer already holds every training sample; nothing to add per step."""
 
 

@@ -272,3 +272,71 @@ def test_cuda_device_moves_model_and_batches():
     model = make_model()
     _fit(trainer, model)
     assert set(seen) == {"cuda"} and model[0].weight.device.type == "cuda"
+
+
+def _nan_at(model, bad_step):
+    calls = []
+
+    def step(batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        calls.append(1)
+        return loss * float("nan") if len(calls) == bad_step else loss
+
+    return step
+
+
+def test_nonfinite_loss_raises_naming_the_step_and_takes_no_optimizer_step():
+    from trainer import NonFiniteLossError
+
+    model = make_model()
+    trainer = Trainer(max_epochs=1, device="cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(make_data(), batch_size=8, shuffle=False)
+    seen = {}
+    trainer.connect("batch_end", lambda: seen.update(params=parameters_of(model)))
+    with pytest.raises(NonFiniteLossError, match=r"step 2 \(epoch 0, batch 2\); no optimizer step"):
+        trainer.fit(model, optimizer, loader, _nan_at(model, 3))
+    assert_same_tensors(seen["params"], parameters_of(model))
+    assert trainer.state.optimizer_steps == 2
+
+
+def test_nonfinite_loss_skip_counts_and_flags_the_batch():
+    model = make_model()
+    flags = []
+    trainer = Trainer(max_epochs=1, device="cpu", nonfinite_loss="skip")
+    trainer.connect("batch_end", lambda state: flags.append(state.batch_skipped))
+    result = trainer.fit(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        make_loader(make_data(), batch_size=8),
+        _nan_at(model, 2),
+    )
+    assert flags == [False, True, False, False, False, False]
+    assert result.skipped_batches == 1 and result.optimizer_steps == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_keyboard_interrupt_fires_exception_and_train_end_and_can_write_a_checkpoint(tmp_path):
+    events = []
+
+    class Interrupt:
+        def on_batch_start(self, state):
+            if state.global_step == 3:
+                raise KeyboardInterrupt
+
+    class Flush:
+        def on_exception(self, exception):
+            events.append(("exception", type(exception).__name__))
+
+        def on_train_end(self, trainer, result):
+            events.append(("train_end", result.steps, result.stopped_early))
+            trainer.save_checkpoint(tmp_path / "final.safetensors")
+
+    trainer = Trainer(max_epochs=2, device="cpu")
+    trainer.subscribe(Interrupt())
+    trainer.subscribe(Flush())
+    with pytest.raises(KeyboardInterrupt):
+        _fit(trainer)
+    assert events == [("exception", "KeyboardInterrupt"), ("train_end", 3, True)]
+    assert (tmp_path / "final.safetensors").exists()

@@ -14,6 +14,7 @@ from trainer.exceptions import (
     CheckpointFormatError,
     CheckpointMismatchError,
     ListenerError,
+    NonFiniteLossError,
     SubscriptionError,
     TrainerError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "FitResult",
     "ListenerError",
     "ListenerState",
+    "NonFiniteLossError",
     "StepOutput",
     "SubscriptionError",
     "TrainState",

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ListenerError",
+    "NonFiniteLossError",
     "SubscriptionError",
     "TrainerError",
 ]
@@ -59,3 +60,17 @@ class CheckpointMismatchError(CheckpointError):
 
     The message lists every missing or unexpected key and every shape or dtype mismatch at once.
     """
+
+
+class NonFiniteLossError(TrainerError, ArithmeticError):
+    """Raised when a training step's loss is NaN or infinite (``Trainer(nonfinite_loss="raise")``).
+
+    No backward pass and no optimizer step are taken for that batch. ``step``, ``epoch`` and
+    ``batch_idx`` say where it happened.
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, batch_idx: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.batch_idx = batch_idx

@@ -23,6 +23,7 @@ from trainer.exceptions import (
     CheckpointFormatError,
     CheckpointMismatchError,
     ListenerError,
+    NonFiniteLossError,
     SubscriptionError,
 )
 
@@ -44,6 +45,9 @@ class TrainState:
         max_epochs: The epoch limit in force (None: unbounded, stop on ``max_steps``).
         max_steps: The batch limit in force, or None.
         should_stop: Set it to True from a listener to end the fit after the current batch.
+        batch_skipped: True during ``batch_end`` of a batch whose non-finite loss was skipped
+            (``Trainer(nonfinite_loss="skip")``): no backward pass or optimizer step was taken.
+        skipped_batches: Batches skipped so far in this fit.
     """
 
     epoch: int = 0
@@ -53,6 +57,8 @@ class TrainState:
     max_epochs: int | None = None
     max_steps: int | None = None
     should_stop: bool = False
+    batch_skipped: bool = False
+    skipped_batches: int = 0
 
 
 @attrs.frozen
@@ -65,6 +71,7 @@ class FitResult:
         epochs: Epochs entered, counting a resumed epoch once.
         metrics: ``"train_loss"`` (the last batch's loss) and the last validation metrics.
         stopped_early: True when a listener set ``state.should_stop``.
+        skipped_batches: Batches skipped for a non-finite loss.
     """
 
     steps: int
@@ -72,6 +79,7 @@ class FitResult:
     epochs: int
     metrics: dict[str, float]
     stopped_early: bool
+    skipped_batches: int = 0
 
 
 def _positive_or_none(name: str) -> Callable[[Any, Any, Any], None]:
@@ -128,6 +136,11 @@ class Trainer:
         check_val_every_n_epoch: Validate after every n-th epoch when a ``val_loader`` is given.
         seed: Seeds torch, ``random`` and (if imported) NumPy at the start of each fit that does
             not resume from a checkpoint.
+        nonfinite_loss: What a NaN or infinite loss does: ``"raise"`` a
+            :class:`~trainer.NonFiniteLossError` naming the step (no optimizer step is taken),
+            ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
+            ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
+            one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
 
     Example:
         >>> import torch
@@ -152,6 +165,7 @@ class Trainer:
     accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
     check_val_every_n_epoch: int = attrs.field(default=1, validator=_positive_int)
     seed: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
+    nonfinite_loss: str = attrs.field(default="raise", validator=_one_of("raise", "skip", "off"))
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
@@ -300,6 +314,7 @@ class Trainer:
                 _runtime.seed_everything(self.seed)
         move = _runtime.make_mover(device)
         autocast = _runtime.autocast_factory(self.precision, device)
+        check_loss = self.nonfinite_loss != "off"
         ev = self.events
         common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
         common["state"] = state
@@ -350,10 +365,16 @@ class Trainer:
                     with autocast():
                         outputs = step(batch)
                     loss, outputs = _split_step_output(outputs)
-                    self._backward(loss)
+                    state.batch_skipped = check_loss and not bool(torch.isfinite(loss).all())
+                    if state.batch_skipped:
+                        self._nonfinite(loss)
+                    else:
+                        self._backward(loss)
                     # Optimizer step when the accumulation window is full or the data ends.
                     last = batch_idx + 1 == length or self._steps_left() == 1
-                    if self._accumulated == self.accumulate_grad_batches or last:
+                    if self._accumulated and (
+                        self._accumulated == self.accumulate_grad_batches or last
+                    ):
                         self._optimizer_step(scheduler if scheduler_interval == "step" else None)
                     state.global_step += 1
                     done = batch_idx + 1
@@ -401,6 +422,7 @@ class Trainer:
                 epochs=epochs,
                 metrics=metrics,
                 stopped_early=state.should_stop,
+                skipped_batches=state.skipped_batches,
             )
             if ev.train_end.active:
                 ev.train_end.send(self, result=result, **common)
@@ -467,6 +489,20 @@ class Trainer:
             pass
         _runtime.set_rng_state(current)
         return iterator, length
+
+    def _nonfinite(self, loss: torch.Tensor) -> None:
+        state = self.state
+        if self.nonfinite_loss == "raise":
+            raise NonFiniteLossError(
+                f"the loss is {loss.detach().float().tolist()} at step {state.global_step} "
+                f"(epoch {state.epoch}, batch {state.batch_idx}); no optimizer step was taken for "
+                "it. Check the data and the learning rate, or pass "
+                "Trainer(nonfinite_loss='skip') to skip such batches",
+                step=state.global_step,
+                epoch=state.epoch,
+                batch_idx=state.batch_idx,
+            )
+        state.skipped_batches += 1
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.accumulate_grad_batches > 1:
@@ -536,16 +572,32 @@ class Trainer:
         return metrics
 
     def _announce_failure(self, exc: BaseException, common: dict[str, Any]) -> None:
-        signal = self.events.exception
-        if not signal.active:
-            return
+        """Fire ``exception`` (and, for Ctrl-C, ``train_end``) before the error propagates.
+
+        After a ``KeyboardInterrupt`` the run is in a consistent state between two events, so
+        ``train_end`` also fires and listeners can flush files or write a final checkpoint
+        (``trainer.save_checkpoint`` from a listener is written once that event finished).
+        """
+        ev = self.events
         event = exc.event if isinstance(exc, ListenerError) else None
         listener = exc.listener if isinstance(exc, ListenerError) else None
         try:
-            signal.send(self, exception=exc, event=event, listener=listener, **common)
-        except ListenerError as inner:
+            if ev.exception.active:
+                ev.exception.send(self, exception=exc, event=event, listener=listener, **common)
+            if isinstance(exc, KeyboardInterrupt) and ev.train_end.active:
+                state = self.state
+                result = FitResult(
+                    steps=state.global_step,
+                    optimizer_steps=state.optimizer_steps,
+                    epochs=state.epoch + 1,
+                    metrics={},
+                    stopped_early=True,
+                    skipped_batches=state.skipped_batches,
+                )
+                ev.train_end.send(self, result=result, **common)
+        except Exception as inner:
             if hasattr(exc, "add_note"):
-                exc.add_note(f"while announcing it, {inner}")
+                exc.add_note(f"while announcing it: {inner}")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
