@@ -70,6 +70,11 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 def _derived_seed(seed: int, stream: int) -> int:
     """A distinct seed per random stream of one learner (buffer 0, CLS 1, shrink-perturb 2), so
     that its generators never draw the same sequence."""
@@ -255,6 +260,7 @@ class BaseExperienceReplayLearner:
     _recorder: IntermediateRepresentations | None = attrs.field(init=False, default=None)
     _seen_classes: torch.Tensor | None = attrs.field(init=False, default=None)
     _new_batch_size: int = attrs.field(init=False, default=0)
+    _batch_checked: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.components:
@@ -281,6 +287,12 @@ class BaseExperienceReplayLearner:
             self.memory_batch_size, self._new_batch_size = memory, self.batch_size - memory
         else:
             self._new_batch_size = self.batch_size
+            if 0 < self.memory_size < self.memory_batch_size and self.components:
+                raise ValueError(
+                    f"memory_batch_size={self.memory_batch_size} is larger than memory_size="
+                    f"{self.memory_size}: the buffer could never serve a memory batch and replay "
+                    "would silently never happen; lower memory_batch_size or raise memory_size"
+                )
         if self.buffer is None and self.memory_size > 0:
             self.buffer = ReservoirBuffer(
                 max_size=self.memory_size, seed=_derived_seed(self.seed, 0)
@@ -317,6 +329,8 @@ class BaseExperienceReplayLearner:
         ``batch_memory_frac``) and shuffled with torch's global RNG, which the trainer seeds and
         checkpoints. Validation reports ``val_loss`` and ``val_accuracy``.
         """
+        if resume_from is None:  # a resumed update was checked when it started
+            self._check_data(train_data)
         train_loader = self._loader(train_data, shuffle=True)
         val_loader = None if val_data is None else self._loader(val_data, shuffle=False)
         optimizer = self._make_optimizer()
@@ -354,6 +368,37 @@ class BaseExperienceReplayLearner:
             path, model=self.model, optimizer=optimizer, scheduler=scheduler
         )
 
+    def _check_data(self, data: Any) -> None:
+        """Reject empty data and labels outside the model's outputs before anything trains."""
+        try:
+            size = len(data)
+        except TypeError:
+            return  # an iterable without len(): checked batch by batch by the trainer
+        if size == 0:
+            raise ValueError(
+                f"{type(self).__name__}.fit got an empty training set; pass data for the update"
+            )
+        tensors = getattr(data, "tensors", None)
+        if not isinstance(tensors, tuple) or len(tensors) != 2:
+            return
+        inputs, targets = tensors
+        if targets.dtype.is_floating_point or targets.dim() != 1:
+            return  # not class labels
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                classes = self._forward(inputs[:1].to(_model_device(self.model))).shape[-1]
+        finally:
+            self.model.train(was_training)
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= classes:
+            raise ValueError(
+                f"the training labels range over [{low}, {high}], but the model has {classes} "
+                f"outputs (labels 0..{classes - 1}); widen the model's last layer or remap the "
+                "labels"
+            )
+
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
         if isinstance(data, Dataset):
             return DataLoader(data, batch_size=self._new_batch_size, shuffle=shuffle)
@@ -380,8 +425,12 @@ class BaseExperienceReplayLearner:
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
-        loss = self.loss_fn(logits, targets).mean() * self.loss_weight
         buffer = self.buffer
+        if not self._batch_checked:  # once per update: fail before any parameter changes
+            if buffer is not None and not isinstance(self, JointLearner):
+                buffer.check_batch(inputs, targets, self._metadata(outputs, features))
+            self._batch_checked = True
+        loss = self.loss_fn(logits, targets).mean() * self.loss_weight
         if buffer is not None and self.components and len(buffer) >= self._memory_batch():
             total_weight = self.loss_weight
             batch_memory = outputs_memory = features_memory = None
@@ -439,18 +488,26 @@ class BaseExperienceReplayLearner:
     # -- listener hooks ---------------------------------------------------------------------------
 
     def on_train_start(self) -> None:
-        """A new update: ``mask_unused_classes`` masks the classes absent from this update."""
+        """A new update: ``mask_unused_classes`` masks the classes absent from this update, and
+        the first batch is checked against the buffer's storage before it trains."""
         self._seen_classes = None
+        self._batch_checked = False
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
         if self.buffer is None or state.batch_skipped:
             return
         inputs, targets = _unpack(batch)
-        metadata = {"logits": outputs["logits"]}
-        for i, feature in enumerate(outputs["features"]):
-            metadata[f"intermediate_representation_{i}"] = feature
-        self.buffer.update(inputs, targets, metadata)
+        self.buffer.update(inputs, targets, self._metadata(outputs["logits"], outputs["features"]))
+
+    @staticmethod
+    def _metadata(
+        logits: torch.Tensor, features: Sequence[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        metadata = {"logits": logits.detach()}
+        for i, feature in enumerate(features):
+            metadata[f"intermediate_representation_{i}"] = feature.detach()
+        return metadata
 
     def on_save_checkpoint(self, checkpoint: Any) -> None:
         if self.buffer is not None:
@@ -658,6 +715,7 @@ class JointLearner(BaseExperienceReplayLearner):
         if buffer is None:  # pragma: no cover - set in __attrs_post_init__
             raise RuntimeError("JointLearner has no buffer")
         if resume_from is None:
+            self._check_data(train_data)
             for inputs, targets in DataLoader(train_data, batch_size=1024):  # type: ignore[arg-type]
                 buffer.update(inputs, targets)
             if self.reset_model:

@@ -24,6 +24,7 @@ from renate_events.learners import (
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
 )
+from tests.helpers import assert_same_tensors, parameters_of
 from trainer import Trainer, read_checkpoint
 
 
@@ -161,7 +162,8 @@ def test_batch_memory_frac_splits_the_batch_as_renate_documents():
     )
     assert learner.memory_batch_size == 8
     learner.fit(_data(n=32))
-    assert sizes[:3] == [8, 8, 8]  # new data (16 - 8), then new data + memory
+    assert sizes[0] == 1  # the label check probes the number of outputs with one sample
+    assert sizes[1:4] == [8, 8, 8]  # new data (16 - 8), then new data + memory
 
 
 def test_buffer_is_updated_after_each_step_with_unmasked_logits():
@@ -382,3 +384,38 @@ def test_batches_that_are_not_pairs_get_a_clear_error():
     learner = FineTuningLearner(model=_model(), trainer=Trainer(max_epochs=1, device="cpu"))
     with pytest.raises(TypeError, match=r"batches of \(inputs, targets\); got a list of 3 items"):
         learner.fit([[torch.randn(2, 6), torch.tensor([0, 1]), torch.zeros(2)]])
+
+
+def test_bad_input_is_refused_before_any_parameter_changes():
+    model = _model()
+    learner = SuperExperienceReplayLearner(
+        model=model,
+        feature_modules=["1"],
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=4,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    before = parameters_of(model)
+    with pytest.raises(ValueError, match="empty training set"):
+        learner.fit(TensorDataset(torch.zeros(0, 6), torch.zeros(0, dtype=torch.int64)))
+    with pytest.raises(
+        ValueError, match=r"labels range over \[2, 9\], but the model has 4 outputs"
+    ):
+        learner.fit(TensorDataset(torch.randn(8, 6), torch.arange(8) + 2))
+    assert_same_tensors(before, parameters_of(model))  # shrink-and-perturb never ran
+    flat = torch.nn.Sequential(torch.nn.Flatten(), _model())
+    learner = DarkExperienceReplayLearner(
+        model=flat,
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=4,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    learner.fit(_data(n=16))  # the buffer now stores inputs of shape (6,)
+    before = parameters_of(flat)
+    with pytest.raises(ValueError, match=r"inputs.*\(6,\).*\(3, 2\)"):
+        learner.fit(TensorDataset(torch.randn(8, 3, 2), torch.randint(0, 4, (8,))))
+    assert_same_tensors(before, parameters_of(flat))
+    with pytest.raises(ValueError, match="memory_batch_size=32 is larger than memory_size=10"):
+        ExperienceReplayLearner(model=_model(), memory_size=10)

@@ -433,6 +433,19 @@ class DataBuffer(abc.ABC):
         self._num_seen = total
         self._length = new_length
 
+    def check_batch(
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        metadata: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Raise the error :meth:`update` would raise for this batch, without storing anything.
+
+        Lets a caller reject a batch before it trains on it (the learners do so on the first step
+        of every update).
+        """
+        self._validate_batch(inputs, targets, metadata)
+
     def sample(self, batch_size: int) -> BatchMemory:
         """Draw a uniform random batch from the buffer, without replacement.
 
