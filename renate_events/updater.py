@@ -135,7 +135,8 @@ class ModelUpdater:
         >>> folder = tempfile.mkdtemp()
         >>> data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
         >>> updater = ModelUpdater(torch.nn.Linear(4, 2), learner="er",
-        ...     learner_kwargs={"memory_size": 16}, trainer_kwargs={"device": "cpu"},
+        ...     learner_kwargs={"memory_size": 16, "memory_batch_size": 8},
+        ...     trainer_kwargs={"device": "cpu"},
         ...     output_state_folder=folder)
         >>> updater.update(data, task_id="day-1").steps
         1

@@ -34,3 +34,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+# Scripts run as subprocesses by the tests; never import them.
+collect_ignore = ["scripts"]

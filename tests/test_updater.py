@@ -89,7 +89,9 @@ def _updater(model, **kwargs):
     return ModelUpdater(
         model,
         learner=kwargs.pop("learner", "er"),
-        learner_kwargs=kwargs.pop("learner_kwargs", {"memory_size": 10, "batch_size": 8}),
+        learner_kwargs=kwargs.pop(
+            "learner_kwargs", {"memory_size": 10, "memory_batch_size": 4, "batch_size": 8}
+        ),
         trainer_kwargs={"device": "cpu"},
         **kwargs,
     )
