@@ -11,7 +11,9 @@ A *state folder* holds everything an update needs to continue where the previous
     :mod:`trainer.checkpoint`).
 
 Folders are written under a temporary name and moved into place, so a crash never leaves a
-half-written state folder where the next update looks for one. Nothing is pickled.
+half-written state folder where the next update looks for one (a crash between moving the old
+folder aside and the new one in is repaired on the next read: the old folder is moved back).
+Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -282,6 +284,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
             is unknown.
     """
     folder = os.fspath(folder)
+    _recover(folder)
     path = os.path.join(folder, _MANIFEST)
     if not os.path.isfile(path):
         raise StateFolderError(
@@ -309,6 +312,28 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def _recover(folder: str) -> None:
+    """Finish a folder swap that a crash interrupted.
+
+    :func:`_write_state_folder` renames the old folder aside, then the new one into place. A
+    crash between the two renames leaves only the old folder, under ``.<name>.old.*``: move it
+    back so that the previous state stays loadable.
+    """
+    if os.path.exists(folder):
+        return
+    parent, name = os.path.split(os.path.abspath(folder))
+    if not os.path.isdir(parent):
+        return
+    retired = sorted(
+        entry
+        for entry in os.listdir(parent)
+        if entry.startswith(f".{name}.old.")
+        and os.path.isfile(os.path.join(parent, entry, _MANIFEST))
+    )
+    if retired:
+        os.replace(os.path.join(parent, retired[-1]), folder)
+
+
 def _write_state_folder(
     folder: str | os.PathLike[str], learner: BaseExperienceReplayLearner, manifest: dict[str, Any]
 ) -> None:
@@ -327,6 +352,7 @@ def _write_state_folder(
             handle.flush()
             os.fsync(handle.fileno())
         retired = None
+        _recover(folder)
         if os.path.exists(folder):
             retired = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.old.", dir=parent)
             os.rmdir(retired)
@@ -337,3 +363,16 @@ def _write_state_folder(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _fsync_directory(parent)
+    for entry in os.listdir(parent):  # leftovers of writers that were killed
+        stale = os.path.join(parent, entry)
+        if entry.startswith(f".{os.path.basename(folder)}.") and os.path.isdir(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

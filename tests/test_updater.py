@@ -139,3 +139,11 @@ def test_invalid_configuration():
         ModelUpdater(torch.nn.Linear(2, 2), optimizer={"name": "lbfgs"})
     with pytest.raises(TypeError, match="must be JSON-able"):
         ModelUpdater(torch.nn.Linear(2, 2), learner_kwargs={"loss_fn": print})
+
+
+def test_an_interrupted_folder_swap_is_repaired_on_read(tmp_path):
+    updater = _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s")
+    updater.update(_task(), task_id="kept")
+    (tmp_path / "s").rename(tmp_path / ".s.old.abc123")  # the crash: old moved aside, new not in
+    assert read_manifest(tmp_path / "s")["task_ids"] == ["kept"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
