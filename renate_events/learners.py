@@ -31,7 +31,7 @@ from renate_events.components import (
     WeightedPooledOutputDistillationLossComponent,
 )
 from renate_events.memory import BufferDataset, DataBuffer, InfiniteBuffer, ReservoirBuffer
-from trainer import FitResult, Trainer
+from trainer import FitResult, TensorLoader, Trainer
 
 __all__ = [
     "BaseExperienceReplayLearner",
@@ -327,7 +327,9 @@ class BaseExperienceReplayLearner:
 
         Datasets are batched with ``batch_size`` (the new-data part of it with
         ``batch_memory_frac``) and shuffled with torch's global RNG, which the trainer seeds and
-        checkpoints. Validation reports ``val_loss`` and ``val_accuracy``.
+        checkpoints; a ``TensorDataset`` is batched by indexing its tensors
+        (:class:`trainer.TensorLoader`), any other dataset through a ``DataLoader``. Validation
+        reports ``val_loss`` and ``val_accuracy``.
         """
         if resume_from is None:  # a resumed update was checked when it started
             self._check_data(train_data)
@@ -400,6 +402,10 @@ class BaseExperienceReplayLearner:
             )
 
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
+        tensors = getattr(data, "tensors", None)
+        if isinstance(data, Dataset) and isinstance(tensors, tuple) and tensors:
+            # In-memory tensors: batches by indexing, no per-sample fetch and collate.
+            return TensorLoader(tensors, batch_size=self._new_batch_size, shuffle=shuffle)
         if isinstance(data, Dataset):
             return DataLoader(data, batch_size=self._new_batch_size, shuffle=shuffle)
         return data

@@ -155,8 +155,9 @@ def test_checkpoint_at_epoch_end_resumes_with_the_pending_validation(tmp_path):
             self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
             self.seen = 0
 
-        def on_validation_end(self, metrics):
+        def on_validation_end(self, metrics, state):
             self.scheduler.step(metrics["val_loss"] + self.seen)  # always worse: lr drops
+            assert state.epoch == self.seen  # the pending validation reports its own epoch
             self.seen += 1
 
         def on_save_checkpoint(self, checkpoint):

@@ -8,6 +8,7 @@ Example:
 """
 
 from trainer.checkpoint import ListenerState, read_checkpoint, write_checkpoint
+from trainer.data import TensorLoader
 from trainer.events import EVENTS, Events, EventSignal
 from trainer.exceptions import (
     CheckpointError,
@@ -33,6 +34,7 @@ __all__ = [
     "NonFiniteLossError",
     "StepOutput",
     "SubscriptionError",
+    "TensorLoader",
     "TrainState",
     "Trainer",
     "TrainerError",

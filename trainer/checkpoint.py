@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
@@ -491,10 +492,19 @@ class _Layout:
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype code, shape)
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, shortened: error messages quote values from untrusted files."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict = 3, 8, 4
+    short.maxstring, short.maxlong, short.maxother = 80, 40, 80
+    return short
+
+
+_SHORT_REPR = _short_repr()
+
+
+def _show(value: Any) -> str:
+    """A short ``repr`` (bounded length and depth): messages quote values from untrusted files."""
+    return _SHORT_REPR.repr(value)
 
 
 def _json_type(value: Any) -> str:

@@ -244,7 +244,11 @@ class _Window:
     seconds: float = 0.0
     started: float | None = None
 
-    def add(self, loss: torch.Tensor, outputs: Any, batch: Any) -> None:
+    def add(self, loss: torch.Tensor, outputs: Any, batch: Any, trained: bool) -> None:
+        self.steps += 1
+        self.samples += batch_size_of(batch)
+        if not trained:  # skipped for a non-finite loss: kept out of the means
+            return
         self._add("train_loss", loss.detach().reshape(()))
         if isinstance(outputs, Mapping):
             for key, value in outputs.items():
@@ -254,8 +258,6 @@ class _Window:
                     continue
                 name = str(key) if str(key).startswith("train_") else f"train_{key}"
                 self._add(name, value.detach())
-        self.steps += 1
-        self.samples += batch_size_of(batch)
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         total = self.sums.get(name)
@@ -306,8 +308,10 @@ class _ScalarLogger:
     ``train_end``) holds the means over the batches since the previous row of the loss
     (``train_loss``) and of every 0-d tensor in the step's ``outputs`` (``train_<key>``), the
     learning rate each parameter group used at the row's step (``lr``, or ``lr_group<i>``) and the
-    training throughput (``samples_per_s``, validation time excluded). A validation row at every
-    ``validation_end`` holds its metrics. Subclasses write rows, flush and close.
+    training throughput (``samples_per_s``, validation time excluded); batches skipped for a
+    non-finite loss stay out of the means, and ``skipped_batches`` counts them (when there are
+    any) since the fit started. A validation row at every ``validation_end`` holds its metrics.
+    Subclasses write rows, flush and close.
     """
 
     _window: _Window = attrs.field(init=False, factory=_Window, repr=False)
@@ -329,7 +333,7 @@ class _ScalarLogger:
         self._lrs = [group["lr"] for group in optimizer.param_groups]  # host values: no sync
 
     def on_batch_end(self, state: Any, batch: Any, outputs: Any, loss: torch.Tensor) -> None:
-        self._window.add(loss, outputs, batch)
+        self._window.add(loss, outputs, batch, trained=not state.batch_skipped)
         if state.global_step % self.log_every_n_steps == 0:
             self._log_window(state)
 
@@ -366,6 +370,8 @@ class _ScalarLogger:
             values.update(_learning_rates(self._lrs))
         if rate is not None:
             values["samples_per_s"] = rate
+        if state.skipped_batches:
+            values["skipped_batches"] = state.skipped_batches
         self._write_row(state.global_step, state.epoch, values)
 
     def _write_row(self, step: int, epoch: int, values: dict[str, float]) -> None:
@@ -385,8 +391,10 @@ class MetricsLogger(_ScalarLogger):
     Every ``log_every_n_steps`` batches it writes the means since the previous row of the loss
     (``train_loss``) and of every 0-d tensor in the step's ``outputs`` mapping (``train_<key>``,
     e.g. per-component losses), the learning rate each parameter group used (``lr``, or
-    ``lr_group<i>`` with several groups) and the throughput (``samples_per_s``); the remaining
-    batches get a row at ``train_end``. Every validation writes its metrics (``val_loss``, ...).
+    ``lr_group<i>`` with several groups), the throughput (``samples_per_s``) and, if
+    ``Trainer(nonfinite_loss="skip")`` skipped batches, their count so far in this fit
+    (``skipped_batches``; they stay out of the means); the remaining batches get a row at
+    ``train_end``. Every validation writes its metrics (``val_loss``, ...).
     Between rows the losses are summed on the device: no ``.item()``, no host synchronisation.
 
     ``"jsonl"`` writes one object per row: ``{"step": 8, "epoch": 0, "train_loss": 0.93, ...}``.
@@ -491,6 +499,7 @@ class TensorBoardLogger(_ScalarLogger):
     def _write_row(self, step: int, epoch: int, values: dict[str, float]) -> None:
         if self._writer is None:
             purge = None if self._resumed_at is None else self._resumed_at + 1
+            self._resumed_at = None  # purge once; a writer reopened later keeps this run's data
             self._writer = self._writer_class(log_dir=self.log_dir, purge_step=purge)
         for name, value in values.items():
             self._writer.add_scalar(name, value, global_step=step)
@@ -924,11 +933,13 @@ class Timer:
         with zeros for events that did not fire; ``listeners`` are those subscribed now, in
         dispatch order.
         """
-        own = set()
+        own: set[str] = set()
         signals = {}
         if self._trainer is not None:
-            own = {self._trainer.events.subscription_of(b).key for b in self._brackets}
-            signals = self._trainer.events.signals
+            events = self._trainer.events
+            subscriptions = [events.subscription_of(bracket) for bracket in self._brackets]
+            own = {s.key for s in subscriptions if s is not None}
+            signals = events.signals
         table = {}
         for event in _TIMED:
             calls, total = self._calls.get(event, 0), self._total.get(event, 0.0)

@@ -338,7 +338,9 @@ class Trainer:
             epochs, last_loss, val_metrics = 0, None, {}
             first_epoch, skip = self._resume_at
             if self._validation_pending and val_loader is not None:
-                # The checkpoint was taken after an epoch, before its validation: run it now.
+                # The checkpoint was taken after an epoch, before its validation: run it now,
+                # as the validation of that epoch.
+                state.epoch = first_epoch - 1
                 val_metrics = self._validate(model, val_loader, val_step, move, autocast, common)
             for epoch in itertools.count(first_epoch):
                 if self._finished(epoch):

@@ -1,0 +1,86 @@
+"""Batches from tensors in memory, without a DataLoader's per-sample fetch and collate.
+
+For data that is already a set of tensors (a ``TensorDataset``, a replay buffer's storage), a
+batch is one ``index_select`` per tensor. ``TensorLoader`` does that, shuffles with torch's
+global random generator (which the trainer seeds and saves in checkpoints, so a resumed epoch
+replays the same order) and can keep the whole data set on the training device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import attrs
+import torch
+
+__all__ = ["TensorLoader"]
+
+
+def _tensors(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise TypeError(f"TensorLoader needs one or more tensors, got {value!r}")
+    lengths = set()
+    for i, tensor in enumerate(value):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            raise TypeError(
+                f"TensorLoader tensor {i} must be a tensor with a sample dimension, got {tensor!r}"
+            )
+        lengths.add(tensor.shape[0])
+    if len(lengths) != 1:
+        raise ValueError(
+            f"TensorLoader tensors must have the same number of samples, got {sorted(lengths)}"
+        )
+
+
+@attrs.define(eq=False)
+class TensorLoader:
+    """Iterate over mini-batches of tensors by indexing them.
+
+    Args:
+        tensors: Tensors with the samples along their first dimension (e.g. inputs, targets).
+        batch_size: Samples per batch.
+        shuffle: Draw a new order every epoch with ``torch.randperm`` (global RNG).
+        drop_last: Drop the last, smaller batch.
+        device: Move the tensors there once (e.g. ``"cuda"``); batches are then made on it.
+
+    Example:
+        >>> import torch
+        >>> loader = TensorLoader.from_dataset(
+        ...     torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10)), batch_size=4)
+        >>> len(loader), [len(y) for _, y in loader]
+        (3, [4, 4, 2])
+    """
+
+    tensors: tuple[torch.Tensor, ...] = attrs.field(converter=tuple, validator=_tensors)
+    batch_size: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    shuffle: bool = True
+    drop_last: bool = False
+    device: str | torch.device | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.device is not None:
+            self.tensors = tuple(t.to(self.device) for t in self.tensors)
+
+    @classmethod
+    def from_dataset(
+        cls, dataset: torch.utils.data.TensorDataset, **kwargs: object
+    ) -> TensorLoader:
+        """Build one from a ``TensorDataset`` (anything with a ``tensors`` tuple)."""
+        return cls(tuple(dataset.tensors), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.tensors[0].shape[0])
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[Sequence[torch.Tensor]]:
+        n, size = self.num_samples, self.batch_size
+        device = self.tensors[0].device
+        order = torch.randperm(n).to(device) if self.shuffle else torch.arange(n, device=device)
+        stop = n - n % size if self.drop_last else n
+        for start in range(0, stop, size):
+            index = order[start : start + size]
+            yield tuple(t.index_select(0, index) for t in self.tensors)
