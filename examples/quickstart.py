@@ -1,7 +1,8 @@
 """Quickstart: train a small classifier on scikit-learn's bundled digits with ``trainer.Trainer``.
 
-No download and no Lightning: a model, an optimizer, a step function, a trainer and a listener
-that prints progress. Run it with ``python examples/quickstart.py``.
+No download and no Lightning: a model, an optimizer, a step function, a trainer and two
+listeners, one that prints progress and a ready-made ``EarlyStopping``. Run it with
+``python examples/quickstart.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer
+from trainer.listeners import EarlyStopping
 
 
 @attrs.define(eq=False)
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     trainer = Trainer(max_epochs=args.epochs, seed=args.seed)
     trainer.subscribe(PrintProgress())
+    trainer.subscribe(EarlyStopping(monitor="val_loss", patience=2))
     result = trainer.fit(
         model, optimizer, train_loader, step, val_loader=test_loader, val_step=val_step
     )

@@ -35,5 +35,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
 # Scripts run as subprocesses by the tests; never import them.
 collect_ignore = ["scripts"]
