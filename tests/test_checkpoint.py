@@ -543,3 +543,21 @@ def test_int_keyed_dicts_round_trip(tmp_path):
     assert back["c"] == {3: 2, 1: 1} and torch.equal(back["t"][0], torch.ones(2))
     with pytest.raises(TypeError, match="all-string or all-int keys"):
         ListenerState("x")["mixed"] = {1: 1, "a": 2}
+
+
+def test_a_well_formed_file_with_misshapen_sections_is_a_format_error(tmp_path):
+    trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
+    _run(trainer, model, optimizer, scheduler)
+    tree = {
+        "trainer": [],
+        "model": {},
+        "optimizer": {},
+        "scheduler": None,
+        "grad_scaler": None,
+        "rng": {},
+        "listeners": {},
+        "pending_grads": None,
+    }
+    write_checkpoint(tmp_path / "odd.safetensors", tree)
+    with pytest.raises(CheckpointFormatError, match=r"sections \['trainer'\] do not have"):
+        trainer.load_checkpoint(tmp_path / "odd.safetensors")

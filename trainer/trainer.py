@@ -798,6 +798,16 @@ class Trainer:
         missing = [s for s in (*sections, "pending_grads") if s not in tree]
         if missing:
             raise CheckpointFormatError(f"{path} lacks the sections {missing}")
+        kinds = {"trainer": dict, "model": dict, "optimizer": dict, "rng": dict, "listeners": dict}
+        kinds.update(scheduler=(dict, type(None)), grad_scaler=(dict, type(None)))
+        kinds.update(pending_grads=(list, type(None)))
+        wrong = [name for name, kind in kinds.items() if not isinstance(tree[name], kind)]
+        progress = tree["trainer"].get("progress") if isinstance(tree["trainer"], dict) else None
+        if wrong or not isinstance(progress, dict):
+            raise CheckpointFormatError(
+                f"{path}: the sections {wrong or ['trainer.progress']} do not have the layout "
+                "of a trainer checkpoint"
+            )
         problems: list[str] = []
         live = model.state_dict()
         saved = tree["model"]
