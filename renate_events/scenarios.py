@@ -13,16 +13,16 @@ samples keeps at least one in each pool.
 
 How each scenario builds its tasks (following Renate's benchmark scenarios):
 
-================================  ==========================================  ===================
-Scenario                          Training data of task ``t``                 Test data of task t
-================================  ==========================================  ===================
-:class:`ClassIncrementalScenario` the training samples of ``t``'s classes     same, test pool
-:class:`PermutationScenario`      random chunk ``t``, features permuted       whole pool, same
-:class:`RotationScenario`         random chunk ``t``, rotated                 whole pool, same
-:class:`IIDScenario`              random chunk ``t``                          whole test pool
-:class:`FeatureSortingScenario`   chunk ``t`` after sorting by a feature      chunk ``t`` of the
-                                                                              sorted test pool
-================================  ==========================================  ===================
+==================================  ==========================================  ===================
+Scenario                            Training data of task ``t``                 Test data of task t
+==================================  ==========================================  ===================
+:class:`ClassIncrementalScenario`   the training samples of ``t``'s classes     same, test pool
+:class:`PermutationScenario`        random chunk ``t``, features permuted       whole pool, same
+:class:`RotationScenario`           random chunk ``t``, rotated                 whole pool, same
+:class:`IIDScenario`                random chunk ``t``                          whole test pool
+:class:`FeatureSortingScenario`     chunk ``t`` after sorting by a feature      chunk ``t`` of the
+                                                                                sorted test pool
+==================================  ==========================================  ===================
 
 "Random chunk" means the training pool is shuffled and cut into ``num_tasks`` disjoint parts whose
 sizes differ by at most one, so every model update sees new samples (Renate's ``TransformScenario``
@@ -957,4 +957,5 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "permuted-digits": permuted_digits,
     "rotated-digits": rotated_digits,
 }
-"""Named scenarios on the bundled digits, for the command line: ``SCENARIOS[name](seed=0)``."""
+"""Named scenarios on the bundled digits, for the command line; build one with
+``SCENARIOS[name](seed=0)``."""

@@ -561,3 +561,14 @@ def test_a_well_formed_file_with_misshapen_sections_is_a_format_error(tmp_path):
     write_checkpoint(tmp_path / "odd.safetensors", tree)
     with pytest.raises(CheckpointFormatError, match=r"sections \['trainer'\] do not have"):
         trainer.load_checkpoint(tmp_path / "odd.safetensors")
+
+
+def test_checkpoint_files_get_the_usual_permissions(tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        write_checkpoint(tmp_path / "p.safetensors", {"x": torch.ones(2)})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "p.safetensors").stat().st_mode & 0o777 == 0o644

@@ -508,9 +508,9 @@ def _find_hooks(listener: Any) -> dict[str, Callable[..., Any]]:
         if event not in EVENTS:
             known = [f"on_{e}" for e in EVENTS] + list(HOOK_ALIASES)
             close = difflib.get_close_matches(attribute, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SubscriptionError(
-                f"{type(listener).__qualname__}.{attribute} matches no event{hint} "
+                f"{type(listener).__qualname__}.{attribute} matches no event{hint}. "
                 f"Hook methods are on_<event> for the events {sorted(EVENTS)}, plus "
                 f"{sorted(HOOK_ALIASES)}"
             )

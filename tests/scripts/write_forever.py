@@ -13,7 +13,6 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.updater import ModelUpdater
-from trainer import Trainer
 
 folder, kind = sys.argv[1], sys.argv[2]
 model = torch.nn.Linear(256, 4)
