@@ -572,3 +572,24 @@ def test_checkpoint_files_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "p.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_mid_epoch_resume_with_a_loader_that_has_its_own_generator(tmp_path):
+    data = make_data(n=40)
+
+    def run(resume=None, crash_at=None):
+        torch.manual_seed(1)
+        model = make_model(dropout=0.2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = Trainer(max_epochs=2, device="cpu")
+        if crash_at is not None:
+            trainer.subscribe(SaveThenCrash(tmp_path / "g.safetensors", crash_at))
+        generator = torch.Generator().manual_seed(99)
+        loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=generator)
+        trainer.fit(model, optimizer, loader, classification_step(model), resume_from=resume)
+        return parameters_of(model)
+
+    reference = run()
+    with pytest.raises(KeyboardInterrupt):
+        run(crash_at=7)
+    assert_same_tensors(reference, run(resume=tmp_path / "g.safetensors"))

@@ -77,8 +77,25 @@ def batch_size_of(batch: Any) -> int:
 # -- RNG -----------------------------------------------------------------------------------------
 
 
-def get_rng_state() -> dict[str, Any]:
-    """Torch (CPU and every CUDA device), Python ``random`` and, if imported, NumPy's global RNG."""
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader's sampling draws from, if it was given any.
+
+    A ``DataLoader(..., generator=g)`` (or a sampler with its own generator) does not use the
+    global RNG, so its state must be saved for a mid-epoch resume too.
+    """
+    found: dict[int, torch.Generator] = {}
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+def get_rng_state(loader: Any = None) -> dict[str, Any]:
+    """Torch (CPU and every CUDA device), Python ``random`` and, if imported, NumPy's global RNG;
+    with ``loader``, also the state of the generators its sampling uses."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -96,16 +113,28 @@ def get_rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
+    if loader is not None:
+        state["loader"] = [generator.get_state() for generator in loader_generators(loader)]
     return state
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned."""
+def set_rng_state(state: Mapping[str, Any], loader: Any = None) -> None:
+    """Restore what :func:`get_rng_state` returned (with ``loader``, its generators too)."""
     torch.set_rng_state(state["torch"])
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if loader is not None and state.get("loader"):
+        generators = loader_generators(loader)
+        if len(generators) != len(state["loader"]):
+            raise CheckpointFormatError(
+                f"the checkpoint saved the state of {len(state['loader'])} data-loader "
+                f"generator(s), the train_loader has {len(generators)}; resume with the same "
+                "kind of loader"
+            )
+        for generator, saved in zip(generators, state["loader"]):
+            generator.set_state(saved)
     numpy = sys.modules.get("numpy")
     if numpy is not None and "numpy" in state:
         saved = state["numpy"]

@@ -352,7 +352,7 @@ class Trainer:
                 # Remember the RNG that orders this epoch's data (for a mid-epoch resume); in a
                 # resumed epoch, replay that order and continue with the checkpoint's RNG.
                 if skip == 0:
-                    self._epoch_rng = _runtime.get_rng_state()
+                    self._epoch_rng = _runtime.get_rng_state(train_loader)
                 elif self._loaded_rng is not None:
                     _runtime.set_rng_state(self._loaded_rng)
                 batches, length = self._epoch_batches(train_loader, skip)
@@ -485,7 +485,7 @@ class Trainer:
         # already trained on, then continue with the RNG the checkpoint was taken with.
         current = _runtime.get_rng_state()
         if self._epoch_rng is not None:
-            _runtime.set_rng_state(self._epoch_rng)
+            _runtime.set_rng_state(self._epoch_rng, loader)
         iterator = iter(loader)
         for _ in itertools.islice(iterator, skip):
             pass
