@@ -71,8 +71,12 @@ def _parser() -> argparse.ArgumentParser:
             "--memory-batch-size", type=int, default=32, help="memory batch (default 32)"
         )
         p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda:0")
-        p.add_argument("--precision", choices=("32", "bf16-mixed", "16-mixed"), default="32",
-                       help="floating-point precision of training (default 32)")
+        p.add_argument(
+            "--precision",
+            choices=("32", "bf16-mixed", "16-mixed"),
+            default="32",
+            help="floating-point precision of training (default 32)",
+        )
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     run = sub.add_parser(
