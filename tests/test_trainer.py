@@ -340,3 +340,20 @@ def test_keyboard_interrupt_fires_exception_and_train_end_and_can_write_a_checkp
         _fit(trainer)
     assert events == [("exception", "KeyboardInterrupt"), ("train_end", 3, True)]
     assert (tmp_path / "final.safetensors").exists()
+
+
+def test_compile_step_wraps_the_steps_in_torch_compile(monkeypatch):
+    compiled = []
+
+    def fake_compile(function):
+        compiled.append(function)
+        return function
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = make_model()
+    loader = make_loader(make_data(n=16))
+    step = classification_step(model)
+    Trainer(max_epochs=1, device="cpu", compile_step=True).fit(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, step, val_loader=loader
+    )
+    assert compiled[0] is step and len(compiled) == 2

@@ -141,6 +141,8 @@ class Trainer:
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
+        compile_step: Wrap ``step`` (and ``val_step``) in ``torch.compile`` for this fit. The
+            first steps then pay the compilation; later ones run the compiled graph.
 
     Example:
         >>> import torch
@@ -166,6 +168,7 @@ class Trainer:
     check_val_every_n_epoch: int = attrs.field(default=1, validator=_positive_int)
     seed: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
     nonfinite_loss: str = attrs.field(default="raise", validator=_one_of("raise", "skip", "off"))
+    compile_step: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
@@ -296,6 +299,8 @@ class Trainer:
             def val_step(batch: Any) -> StepOutput:
                 return _split_step_output(step(batch))[0]
 
+        if self.compile_step:
+            step, val_step = torch.compile(step), torch.compile(val_step)
         device = _runtime.resolve_device(self.device)
         model.to(device)
         self._attach_for_fit(model, optimizer, scheduler, device)
