@@ -277,9 +277,10 @@ class EventSignal(blinker.Signal):
             else:
                 kwargs = _NO_KEYWORDS
             if scoped:
-                kwargs = self._scope(kwargs, receiver.key)
-                if kwargs is None:
+                scoped_kwargs = self._scope(kwargs, receiver.key)
+                if scoped_kwargs is None:
                     continue  # nothing for this receiver (its state is absent from the file)
+                kwargs = scoped_kwargs
             try:
                 value = receiver.call(**kwargs)
             except Exception as exc:

@@ -415,7 +415,7 @@ class Trainer:
                 if ev.epoch_end.active:
                     ev.epoch_end.send(self, **common)
                 # Validation every n-th epoch, isolated from the training RNG stream.
-                if validate:
+                if validate and val_loader is not None:
                     val_metrics = self._validate(
                         model, val_loader, val_step, move, autocast, common
                     )
@@ -803,9 +803,16 @@ class Trainer:
         missing = [s for s in (*sections, "pending_grads") if s not in tree]
         if missing:
             raise CheckpointFormatError(f"{path} lacks the sections {missing}")
-        kinds = {"trainer": dict, "model": dict, "optimizer": dict, "rng": dict, "listeners": dict}
-        kinds.update(scheduler=(dict, type(None)), grad_scaler=(dict, type(None)))
-        kinds.update(pending_grads=(list, type(None)))
+        kinds: dict[str, type | tuple[type, ...]] = {
+            "trainer": dict,
+            "model": dict,
+            "optimizer": dict,
+            "rng": dict,
+            "listeners": dict,
+            "scheduler": (dict, type(None)),
+            "grad_scaler": (dict, type(None)),
+            "pending_grads": (list, type(None)),
+        }
         wrong = [name for name, kind in kinds.items() if not isinstance(tree[name], kind)]
         progress = tree["trainer"].get("progress") if isinstance(tree["trainer"], dict) else None
         if wrong or not isinstance(progress, dict):
