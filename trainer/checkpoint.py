@@ -341,9 +341,8 @@ def _tensor_digest(code: str, shape: tuple[int, ...], tensor: torch.Tensor) -> s
     """SHA-256 of a tensor's dtype code, shape and little-endian bytes (as safetensors stores)."""
     digest = hashlib.sha256(json.dumps([code, list(shape)]).encode())
     if tensor.numel() > 0:
-        digest.update(
-            memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        )
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(data)  # type: ignore[arg-type]  # numpy arrays are buffers
     return digest.hexdigest()
 
 
