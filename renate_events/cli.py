@@ -282,6 +282,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--memory-size must be >= 0, got {args.memory_size}")
     if args.scenario not in SCENARIOS:
         raise UsageError(f"unknown --scenario {args.scenario!r}; choose from {sorted(SCENARIOS)}")
+    # Under `torchrun --nproc_per_node=N`: data-parallel training over N processes; rank zero
+    # prints and writes the results. State folders are not written (their staging folders are
+    # per process), so `run` under torchrun keeps no state between invocations.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
     os.makedirs(args.output_dir, exist_ok=True)
     runs = []
     started = time.perf_counter()
@@ -311,6 +316,7 @@ def _run(args: argparse.Namespace) -> int:
                 "max_epochs": args.epochs,
                 "device": args.device,
                 "precision": args.precision,
+                **({"distributed": "init"} if distributed else {}),
             },
             metadata={
                 "model": {
@@ -321,7 +327,9 @@ def _run(args: argparse.Namespace) -> int:
                 },
                 "scenario": args.scenario,
             },
-            output_state_folder=os.path.join(args.output_dir, "state", f"seed-{seed}"),
+            output_state_folder=None
+            if distributed
+            else os.path.join(args.output_dir, "state", f"seed-{seed}"),
         )
         before = evaluation.evaluate(model, tasks, mode="class-incremental")
         class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
@@ -335,8 +343,9 @@ def _run(args: argparse.Namespace) -> int:
             task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
         runs.append(_metrics(seed, class_matrix, task_matrix, tasks))
     elapsed = time.perf_counter() - started
-    _write_results(args, runs, elapsed)
-    print(_table(args, runs, elapsed))
+    if rank_zero:
+        _write_results(args, runs, elapsed)
+        print(_table(args, runs, elapsed))
     return 0
 
 

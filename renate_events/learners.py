@@ -426,7 +426,11 @@ class BaseExperienceReplayLearner:
     def training_step(self, batch: Any) -> dict[str, Any]:
         """Loss of one batch of new data plus the components' losses on memory batches."""
         inputs, targets = _unpack(batch)
-        outputs = self._forward(inputs)
+        # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
+        # gradients are averaged over the ranks while the backward pass runs.
+        net = self.trainer.training_model
+        net = self.model if net is None else net
+        outputs = forward(net, inputs)
         features = self._features()
         logits = outputs
         if self.mask_unused_classes:
@@ -444,7 +448,7 @@ class BaseExperienceReplayLearner:
                 if component.sample_new_memory_batch or batch_memory is None:
                     batch_memory = _to_device(buffer.sample(self._memory_batch()), outputs.device)
                     (inputs_memory, _), metadata = batch_memory
-                    outputs_memory = self._forward(inputs_memory)
+                    outputs_memory = forward(net, inputs_memory)
                     features_memory = self._features()
                     if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
                         gamma = self.ema_memory_update_gamma
@@ -510,7 +514,7 @@ class BaseExperienceReplayLearner:
     def _metadata(
         logits: torch.Tensor, features: Sequence[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        metadata = {"logits": logits.detach()}
+        metadata = {"logits": logits.detach().float()}  # full precision under bf16/16-mixed
         for i, feature in enumerate(features):
             metadata[f"intermediate_representation_{i}"] = feature.detach()
         return metadata

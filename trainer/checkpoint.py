@@ -34,6 +34,16 @@ recompute them. A checkpoint can be read with ``safetensors.safe_open`` alone::
 Writes are atomic: the file is written under a temporary name in the target folder, flushed to
 disk with ``fsync`` and moved into place with ``os.replace``, so a crash during a save leaves the
 previous file intact.
+
+Distributed checkpoints (``world_size`` processes, see :mod:`trainer.distributed`) are one file
+per rank next to the main file: rank zero writes ``path`` (model, optimizer, scheduler, grad
+scaler, progress: the state every rank shares, with ``trainer.world_size`` set and an empty
+``listeners`` section), and every rank ``r`` writes :func:`rank_path` ``(path, r)``, e.g.
+``ckpt.rank1.safetensors``, with its own listener states (a replay buffer of what that rank saw),
+its RNG states and the progress it was written at. :func:`merge_rank_state` joins the two when
+reading and refuses a rank file from another save. The rank files are written first; after every
+rank has written its file, rank zero replaces the main file, so a crash in between leaves a main
+file older than the rank files, which :func:`merge_rank_state` refuses with a clear error.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from trainer.exceptions import CheckpointError, CheckpointFormatError
+from trainer.exceptions import CheckpointError, CheckpointFormatError, CheckpointMismatchError
 
 __all__ = [
     "FORMAT_NAME",
@@ -61,6 +71,9 @@ __all__ = [
     "ListenerState",
     "ListenerStates",
     "check_value",
+    "merge_rank_state",
+    "rank_path",
+    "rank_state",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -894,3 +907,76 @@ class _Decoder:
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
+
+
+# -- distributed checkpoints ---------------------------------------------------------------------
+
+_SUFFIX = ".safetensors"
+
+
+def rank_path(path: str | os.PathLike[str], rank: int) -> str:
+    """The file of rank ``rank``'s own state next to the checkpoint ``path``.
+
+    Example:
+        >>> rank_path("ckpt/last.safetensors", 1)
+        'ckpt/last.rank1.safetensors'
+    """
+    path = os.fspath(path)
+    stem, suffix = (path[: -len(_SUFFIX)], _SUFFIX) if path.endswith(_SUFFIX) else (path, "")
+    return f"{stem}.rank{rank}{suffix}"
+
+
+def rank_state(tree: Mapping[str, Any], rank: int, world_size: int) -> tuple[dict, dict]:
+    """Split a full checkpoint tree into rank zero's main tree and one rank's own tree.
+
+    Returns:
+        ``(main, own)``: ``main`` holds what every rank shares (``listeners`` emptied,
+        ``trainer.world_size`` set); ``own`` holds the rank's listener states, RNG states and
+        the progress (to pair it with its main file).
+    """
+    trainer = dict(tree["trainer"])
+    trainer["world_size"] = world_size
+    main = {**tree, "trainer": trainer, "listeners": {}}
+    own = {
+        "rank": rank,
+        "world_size": world_size,
+        "progress": tree["trainer"]["progress"],
+        "rng": tree["rng"],
+        "listeners": tree["listeners"],
+    }
+    return main, own
+
+
+def merge_rank_state(
+    path: str | os.PathLike[str], tree: dict[str, Any], rank: int, world_size: int
+) -> dict[str, Any]:
+    """Check the world size of the checkpoint ``tree`` read from ``path``; join this rank's file.
+
+    Raises:
+        CheckpointMismatchError: When the checkpoint was written by another number of processes,
+            or the rank file belongs to another save.
+        FileNotFoundError: When this rank's file is missing.
+    """
+    path = os.fspath(path)
+    section = tree.get("trainer")
+    trainer: dict[str, Any] = section if isinstance(section, dict) else {}
+    saved = trainer.get("world_size", 1)
+    if saved != world_size:
+        raise CheckpointMismatchError(
+            f"{path} was written by {saved} process(es) and this run has {world_size}: data "
+            "shards, per-rank replay buffers and RNG streams depend on the number of processes, "
+            f"so the run cannot continue with another. Resume with `torchrun --nproc_per_node="
+            f"{saved}` (or one process for world size 1)"
+        )
+    if world_size == 1:
+        return tree
+    own_path = rank_path(path, rank)
+    own = read_checkpoint(own_path)
+    if own.get("rank") != rank or own.get("progress") != trainer.get("progress"):
+        raise CheckpointMismatchError(
+            f"{own_path} does not belong to {path}: it was written by rank {own.get('rank')} at "
+            f"progress {own.get('progress')}, the main file is at {trainer.get('progress')} "
+            "(a save was interrupted between the rank files and the main file); resume from an "
+            "earlier checkpoint"
+        )
+    return {**tree, "rng": own["rng"], "listeners": own["listeners"]}

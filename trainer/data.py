@@ -42,6 +42,17 @@ class TensorLoader:
         shuffle: Draw a new order every epoch with ``torch.randperm`` (global RNG).
         drop_last: Drop the last, smaller batch.
         device: Move the tensors there once (e.g. ``"cuda"``); batches are then made on it.
+        rank: This process's rank when sharded for distributed training (set by the trainer).
+        world_size: Number of ranks sharing the data; above 1 each rank iterates over the
+            strided slice ``order[rank::world_size]`` of one order, padded by wrapping around to
+            a multiple of ``world_size`` so that every rank gets the same number of batches.
+            The order is drawn from a generator seeded with ``seed + epoch`` (see
+            :meth:`set_epoch`), identical on every rank. With ``shuffle=False`` the ranks'
+            batches ``i`` together are exactly batch ``i`` of one process with
+            ``world_size * batch_size``.
+        seed: When set, each epoch's order is drawn from a generator seeded with
+            ``seed + epoch`` instead of the global RNG (always when sharded: the trainer passes
+            its own seed, or 0, unless one is set here).
 
     Example:
         >>> import torch
@@ -56,6 +67,10 @@ class TensorLoader:
     shuffle: bool = True
     drop_last: bool = False
     device: str | torch.device | None = None
+    rank: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    world_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    seed: int | None = None
+    _epoch: int = attrs.field(init=False, default=0, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.device is not None:
@@ -70,16 +85,38 @@ class TensorLoader:
 
     @property
     def num_samples(self) -> int:
-        return int(self.tensors[0].shape[0])
+        """Samples this rank iterates over per epoch (all of them when not sharded)."""
+        n = int(self.tensors[0].shape[0])
+        return -(-n // self.world_size) if self.world_size > 1 else n
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose shared order a sharded loader iterates (the trainer calls it)."""
+        self._epoch = epoch
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    def _order(self) -> torch.Tensor:
+        n = int(self.tensors[0].shape[0])
+        device = self.tensors[0].device
+        if self.world_size == 1 and (self.seed is None or not self.shuffle):
+            return torch.randperm(n).to(device) if self.shuffle else torch.arange(n, device=device)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed((self.seed or 0) + self._epoch)
+            order = torch.randperm(n, generator=generator)
+        else:
+            order = torch.arange(n)
+        padded = self.num_samples * self.world_size
+        if self.world_size == 1:
+            return order.to(device)
+        if padded > n:
+            order = torch.cat([order, order[: padded - n]])
+        return order[self.rank :: self.world_size].to(device)
+
     def __iter__(self) -> Iterator[Sequence[torch.Tensor]]:
         n, size = self.num_samples, self.batch_size
-        device = self.tensors[0].device
-        order = torch.randperm(n).to(device) if self.shuffle else torch.arange(n, device=device)
+        order = self._order()
         stop = n - n % size if self.drop_last else n
         for start in range(0, stop, size):
             index = order[start : start + size]

@@ -35,7 +35,8 @@ from trainer.exceptions import ListenerError, SubscriptionError
 
 __all__ = ["EVENTS", "HOOK_ALIASES", "EventSignal", "EventSpec", "Events", "Subscription"]
 
-_COMMON = ("sender", "trainer", "model", "optimizer", "state")
+_COMMON = ("sender", "trainer", "model", "optimizer", "state", "rank", "world_size")
+_RUNS_ON = ("all", "rank_zero", "collective")
 
 
 @attrs.frozen
@@ -118,7 +119,8 @@ EVENTS: dict[str, EventSpec] = {
     )
 }
 """Every event by name. The common keywords of all events are ``sender`` and ``trainer`` (the
-trainer), ``model``, ``optimizer`` and ``state`` (the :class:`~trainer.TrainState`)."""
+trainer), ``model``, ``optimizer``, ``state`` (the :class:`~trainer.TrainState`), ``rank`` and
+``world_size`` (this process's rank and the number of processes: 0 and 1 when not distributed)."""
 
 HOOK_ALIASES: dict[str, str] = {"on_train_batch_end": "batch_end"}
 """Method names kept from Renate's component hooks, mapped to the event they receive."""
@@ -129,7 +131,7 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 class _Receiver:
     """One connected callable with what it needs from the payload."""
 
-    __slots__ = ("call", "key", "live", "names", "priority", "seq", "takes_all")
+    __slots__ = ("call", "key", "live", "names", "priority", "rank_zero", "seq", "takes_all")
 
     def __init__(self, call: Callable[..., Any], key: str, priority: int, seq: int) -> None:
         self.call = call
@@ -139,6 +141,7 @@ class _Receiver:
         self.live = True
         self.names: tuple[str, ...] = ()
         self.takes_all = False
+        self.rank_zero = False
 
 
 @attrs.define(eq=False)
@@ -150,6 +153,8 @@ class Subscription:
     priority: int
     seq: int
     receivers: dict[str, _Receiver] = attrs.field(factory=dict)
+    runs_on: str = "all"
+    """``"all"``, ``"rank_zero"`` or ``"collective"`` (see :data:`trainer.distributed.RUNS_ON`)."""
 
     @property
     def events(self) -> frozenset[str]:
@@ -266,8 +271,11 @@ class EventSignal(blinker.Signal):
     def _dispatch(self, payload: dict[str, Any]) -> list[tuple[Callable[..., Any], Any]]:
         results = []
         scoped = self.spec.scoped
+        skip_rank_zero_only = self._registry.rank != 0
         for receiver in self._ordered:
             if not receiver.live:  # unsubscribed by an earlier receiver of this same event
+                continue
+            if receiver.rank_zero and skip_rank_zero_only:
                 continue
             names = receiver.names
             if receiver.takes_all:
@@ -324,6 +332,8 @@ class Events:
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
+        self.rank = 0
+        """This process's rank; listeners that run on rank zero only are skipped elsewhere."""
         self.depth = 0
         """How many events are being dispatched right now (nested sends count)."""
         self.deferred: list[Callable[[], Any]] = []
@@ -366,15 +376,34 @@ class Events:
         """The subscription of a listener or function, or None."""
         return self._by_id.get(id(target))
 
-    def subscribe(self, listener: Any, *, priority: int = 0, name: str | None = None) -> str:
-        """Connect every ``on_<event>`` method of ``listener``; return its checkpoint key."""
+    def subscribe(
+        self,
+        listener: Any,
+        *,
+        priority: int = 0,
+        name: str | None = None,
+        runs_on: str | None = None,
+    ) -> str:
+        """Connect every ``on_<event>`` method of ``listener``; return its checkpoint key.
+
+        ``runs_on`` (default: the listener's ``runs_on`` attribute, else ``"all"``) says where it
+        runs in a distributed fit: ``"all"`` ranks, ``"rank_zero"`` only, or ``"collective"``.
+        """
         hooks = _find_hooks(listener)
         if not hooks:
             raise SubscriptionError(
                 f"{type(listener).__qualname__} defines no hook methods; name them on_<event> "
                 f"with an event from {sorted(EVENTS)}"
             )
-        return self._add(listener, hooks, priority, name)
+        if runs_on is None:
+            runs_on = getattr(listener, "runs_on", "all")
+        if runs_on not in _RUNS_ON:
+            raise SubscriptionError(
+                f"{type(listener).__qualname__} has runs_on={runs_on!r}; a listener runs on "
+                f"{list(_RUNS_ON)} (every rank, rank zero only, or every rank at the same point "
+                "because it calls collectives)"
+            )
+        return self._add(listener, hooks, priority, name, runs_on)
 
     def connect_function(
         self, event: str, function: Callable[..., Any], *, priority: int, name: str | None
@@ -420,7 +449,12 @@ class Events:
             self.signals[event]._detach(receiver)
 
     def _add(
-        self, target: Any, hooks: dict[str, Callable[..., Any]], priority: int, name: str | None
+        self,
+        target: Any,
+        hooks: dict[str, Callable[..., Any]],
+        priority: int,
+        name: str | None,
+        runs_on: str = "all",
     ) -> str:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise SubscriptionError(f"priority must be an int, got {priority!r}")
@@ -432,10 +466,12 @@ class Events:
             )
         key = self._key_for(target, name)
         seq = next(self._counter)
-        subscription = Subscription(target, key, priority, seq)
+        subscription = Subscription(target, key, priority, seq, runs_on=runs_on)
         # Check every hook before connecting any, so that a failed subscribe changes nothing.
         for event, call in hooks.items():
-            subscription.receivers[event] = self._make_receiver(call, event, key, priority, seq)
+            receiver = self._make_receiver(call, event, key, priority, seq)
+            receiver.rank_zero = runs_on == "rank_zero"
+            subscription.receivers[event] = receiver
         self._by_key[key] = subscription
         self._by_id[id(target)] = subscription
         for event, receiver in subscription.receivers.items():

@@ -30,12 +30,13 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from trainer._runtime import batch_size_of
+from trainer.checkpoint import rank_path
 from trainer.events import EVENTS
 
 __all__ = [
@@ -177,6 +178,9 @@ class ProgressBar:
         'progress_bar_0'
     """
 
+    runs_on: ClassVar[str] = "rank_zero"
+    """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
+
     description: str = ""
     log_every_n_steps: int = attrs.field(default=10, validator=_int_at_least(1))
     always: bool = False
@@ -313,6 +317,9 @@ class _ScalarLogger:
     any) since the fit started. A validation row at every ``validation_end`` holds its metrics.
     Subclasses write rows, flush and close.
     """
+
+    runs_on: ClassVar[str] = "rank_zero"
+    """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
 
     _window: _Window = attrs.field(init=False, factory=_Window, repr=False)
     _lrs: list[Any] = attrs.field(init=False, factory=list, repr=False)
@@ -595,6 +602,9 @@ class ModelCheckpoint:
         'model_checkpoint_0'
     """
 
+    runs_on: ClassVar[str] = "collective"
+    """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
+
     dirpath: str = attrs.field(converter=os.fspath)
     every_n_steps: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
     every_n_epochs: int | None = attrs.field(default=1, validator=_int_at_least(1, optional=True))
@@ -694,14 +704,29 @@ class ModelCheckpoint:
         dropped, self._kept = kept[:cut], kept[cut:]  # the new file stores the list it ends
         path = os.path.join(self.dirpath, name)
         trainer.save_checkpoint(path)
-        _after_pending_saves(trainer, lambda: self._after_periodic(path, dropped))
+        files = _files_of_this_rank(trainer)
+        _after_pending_saves(trainer, lambda: self._after_periodic(path, dropped, files))
 
-    def _after_periodic(self, path: str, dropped: list[str]) -> None:
+    def _after_periodic(
+        self, path: str, dropped: list[str], files: Callable[[str], list[str]]
+    ) -> None:
         if self.save_last:
-            _replace_with_copy_of(path, self.last_model_path)
+            for source, target in zip(files(path), files(self.last_model_path)):
+                _replace_with_copy_of(source, target)
         for name in dropped:
-            with contextlib.suppress(FileNotFoundError):  # gone already (an older timeline)
-                os.remove(os.path.join(self.dirpath, name))
+            for file in files(os.path.join(self.dirpath, name)):
+                with contextlib.suppress(FileNotFoundError):  # gone already (an older timeline)
+                    os.remove(file)
+
+
+def _files_of_this_rank(trainer: Any) -> Callable[[str], list[str]]:
+    """The files this process writes for a checkpoint path: the path itself when alone; in a
+    distributed fit its own rank file, plus the main file on rank zero."""
+    ctx = getattr(trainer, "dist", None)
+    if ctx is None or not ctx.enabled:
+        return lambda path: [path]
+    own = [] if ctx.rank else [True]
+    return lambda path: [path for _ in own] + [rank_path(path, ctx.rank)]
 
 
 @attrs.define(eq=False)

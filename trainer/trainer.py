@@ -17,7 +17,15 @@ import torch
 from attrs import validators as v
 
 from trainer import _runtime
-from trainer.checkpoint import ListenerStates, read_checkpoint, write_checkpoint
+from trainer import distributed as _distributed
+from trainer.checkpoint import (
+    ListenerStates,
+    merge_rank_state,
+    rank_path,
+    rank_state,
+    read_checkpoint,
+    write_checkpoint,
+)
 from trainer.events import EVENTS, Events
 from trainer.exceptions import (
     CheckpointFormatError,
@@ -69,7 +77,8 @@ class FitResult:
         steps: Training batches completed (``state.global_step``).
         optimizer_steps: Optimizer steps taken.
         epochs: Epochs entered, counting a resumed epoch once.
-        metrics: ``"train_loss"`` (the last batch's loss) and the last validation metrics.
+        metrics: ``"train_loss"`` (the last batch's loss; in a distributed fit the mean over the
+            ranks) and the last validation metrics (reduced over every rank's samples).
         stopped_early: True when a listener set ``state.should_stop``.
         skipped_batches: Batches skipped for a non-finite loss.
     """
@@ -143,6 +152,9 @@ class Trainer:
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
         compile_step: Wrap ``step`` (and ``val_step``) in ``torch.compile`` for this fit. The
             first steps then pay the compilation; later ones run the compiled graph.
+        distributed: ``"auto"`` (data-parallel over the default process group when one is
+            initialised), ``"init"`` (initialise it from ``torchrun``'s environment first) or
+            ``"off"``. See :mod:`trainer.distributed` and the "Distributed training" page.
 
     Example:
         >>> import torch
@@ -169,6 +181,7 @@ class Trainer:
     seed: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
     nonfinite_loss: str = attrs.field(default="raise", validator=_one_of("raise", "skip", "off"))
     compile_step: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    distributed: str = attrs.field(default="auto", validator=_one_of(*_distributed.MODES))
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
@@ -179,6 +192,12 @@ class Trainer:
     optimizer: torch.optim.Optimizer | None = attrs.field(init=False, default=None, repr=False)
     scheduler: Any = attrs.field(init=False, default=None, repr=False)
     grad_scaler: torch.amp.GradScaler | None = attrs.field(init=False, default=None, repr=False)
+    training_model: torch.nn.Module | None = attrs.field(init=False, default=None, repr=False)
+    """What a training step should call: ``model``, or its DistributedDataParallel wrapper."""
+    dist: _distributed.DistributedContext = attrs.field(
+        init=False, factory=_distributed.DistributedContext, repr=False
+    )
+    """This process's rank and world size in the current fit (rank 0 of 1 when alone)."""
 
     _resume_at: tuple[int, int] = attrs.field(init=False, default=(0, 0), repr=False)
     _epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
@@ -189,7 +208,14 @@ class Trainer:
 
     # -- listeners ------------------------------------------------------------------------------
 
-    def subscribe(self, listener: Any, priority: int = 0, *, name: str | None = None) -> str:
+    def subscribe(
+        self,
+        listener: Any,
+        priority: int = 0,
+        *,
+        name: str | None = None,
+        runs_on: str | None = None,
+    ) -> str:
         """Connect every ``on_<event>`` method of ``listener`` to this trainer's events.
 
         Hooks are checked now: a method name that matches no event, or a parameter that the
@@ -201,6 +227,9 @@ class Trainer:
             priority: Higher runs earlier; equal priorities run in subscription order.
             name: Key of the listener's checkpoint namespace; derived from its class name and a
                 counter (``my_logger_0``, ``my_logger_1``) when omitted.
+            runs_on: Where it runs in a distributed fit: ``"all"`` ranks, ``"rank_zero"`` only,
+                or ``"collective"`` (every rank at the same point; checked at ``train_start``).
+                Default: the listener's ``runs_on`` attribute, else ``"all"``.
 
         Returns:
             The listener's key.
@@ -208,7 +237,7 @@ class Trainer:
         Raises:
             SubscriptionError: When a hook does not fit, or the listener or name is taken.
         """
-        return self.events.subscribe(listener, priority=priority, name=name)
+        return self.events.subscribe(listener, priority=priority, name=name, runs_on=runs_on)
 
     def unsubscribe(self, listener: Any) -> None:
         """Disconnect a listener (or a connected function) from every event."""
@@ -301,9 +330,16 @@ class Trainer:
 
         if self.compile_step:
             step, val_step = torch.compile(step), torch.compile(val_step)
-        device = _runtime.resolve_device(self.device)
+        # Distributed: this rank's device, the DDP wrapper and this rank's share of the data.
+        ctx = self.dist = _distributed.resolve(self.distributed)
+        self.events.rank = ctx.rank
+        device = _runtime.resolve_device(ctx.device_for(self.device))
         model.to(device)
         self._attach_for_fit(model, optimizer, scheduler, device)
+        self.training_model = ctx.wrap(model, device)
+        seed = self.seed or 0
+        train_loader = ctx.shard(train_loader, seed)
+        val_loader = None if val_loader is None else ctx.shard(val_loader, seed)
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
         self._resume_at, self._loaded_epoch_rng, self._loaded_rng = (0, 0), None, None
@@ -311,7 +347,7 @@ class Trainer:
         resume = None
         if resume_from is not None:  # read and check now, restore after train_start
             path = os.fspath(resume_from)
-            tree = read_checkpoint(path)
+            tree = merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
             resume = (path, tree, self._check_checkpoint(path, tree, model, optimizer, True))
         else:
             optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
@@ -322,7 +358,7 @@ class Trainer:
         check_loss = self.nonfinite_loss != "off"
         ev = self.events
         common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
-        common["state"] = state
+        common.update(state=state, rank=ctx.rank, world_size=ctx.world_size)
         try:
             # Train start: the model is on its device and in train mode. When resuming, the
             # checkpoint is restored right after, overriding what start-of-training hooks did
@@ -340,6 +376,7 @@ class Trainer:
                         "load_checkpoint() and call fit() without resume_from.",
                         stacklevel=2,
                     )
+            self._check_ranks_agree()
             epochs, last_loss, val_metrics = 0, None, {}
             first_epoch, skip = self._resume_at
             if self._validation_pending and val_loader is not None:
@@ -356,6 +393,7 @@ class Trainer:
                     ev.epoch_start.send(self, **common)
                 # Remember the RNG that orders this epoch's data (for a mid-epoch resume); in a
                 # resumed epoch, replay that order and continue with the checkpoint's RNG.
+                ctx.set_epoch(train_loader, epoch)  # a sharded loader's order depends on it
                 if skip == 0:
                     self._epoch_rng = _runtime.get_rng_state(train_loader)
                 elif self._loaded_rng is not None:
@@ -372,7 +410,8 @@ class Trainer:
                     with autocast():
                         outputs = step(batch)
                     loss, outputs = _split_step_output(outputs)
-                    state.batch_skipped = check_loss and not bool(torch.isfinite(loss).all())
+                    finite = not check_loss or bool(torch.isfinite(loss).all())
+                    state.batch_skipped = check_loss and ctx.any(not finite)  # same on all ranks
                     if state.batch_skipped:
                         self._nonfinite(loss)
                     else:
@@ -389,6 +428,7 @@ class Trainer:
                     # Batch end: parameters are updated, the loss is still on the device.
                     if ev.batch_end.active:
                         ev.batch_end.send(self, batch=batch, outputs=outputs, loss=loss, **common)
+                    state.should_stop = ctx.safe_point("batch_end", stop=state.should_stop)
                     last_loss = loss
                     if state.should_stop or self._steps_left() == 0:
                         exhausted = done == length
@@ -414,6 +454,7 @@ class Trainer:
                     self._validation_pending = validate
                 if ev.epoch_end.active:
                     ev.epoch_end.send(self, **common)
+                state.should_stop = ctx.safe_point("epoch_end", stop=state.should_stop)
                 # Validation every n-th epoch, isolated from the training RNG stream.
                 if validate and val_loader is not None:
                     val_metrics = self._validate(
@@ -422,7 +463,7 @@ class Trainer:
             # Train end.
             metrics = dict(val_metrics)
             if last_loss is not None:
-                metrics = {"train_loss": float(last_loss.detach().float()), **metrics}
+                metrics = {"train_loss": ctx.mean(float(last_loss.detach().float())), **metrics}
             result = FitResult(
                 steps=state.global_step,
                 optimizer_steps=state.optimizer_steps,
@@ -433,8 +474,10 @@ class Trainer:
             )
             if ev.train_end.active:
                 ev.train_end.send(self, result=result, **common)
+            ctx.safe_point("train_end")
             return result
         except BaseException as exc:
+            ctx.share_failure(exc)  # the other ranks stop at their next safe point
             self._announce_failure(exc, common)
             raise
 
@@ -517,6 +560,7 @@ class Trainer:
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         loss.backward()
+        self.dist.average_gradients(self.training_model, self.optimizer)  # type: ignore[arg-type]
         self._accumulated += 1
 
     def _optimizer_step(self, scheduler: Any) -> None:
@@ -571,11 +615,17 @@ class Trainer:
             model.train()
             _runtime.set_rng_state(rng)
         names = list(totals)
-        means = (torch.stack([totals[n] for n in names]) / max(count, 1)).tolist() if names else []
+        means: list[float] = []
+        if names:
+            counted = totals[names[0]].new_tensor(float(count))
+            sums = torch.stack([*(totals[n] for n in names), counted])
+            sums = self.dist.sum(sums)  # over every rank's samples (as is when alone)
+            means = (sums[:-1] / max(float(sums[-1]), 1.0)).tolist()
         metrics = dict(zip(names, means))
         self._validation_pending = False
         if ev.validation_end.active:
             ev.validation_end.send(self, metrics=metrics, **common)
+        self.state.should_stop = self.dist.safe_point("validation_end", stop=self.state.should_stop)
         return metrics
 
     def _announce_failure(self, exc: BaseException, common: dict[str, Any]) -> None:
@@ -638,6 +688,25 @@ class Trainer:
         self._write(os.fspath(path))
 
     def _write(self, path: str) -> None:
+        """Assemble and write a checkpoint; in a distributed fit, one file per rank as well.
+
+        Every rank collects its listeners' states; only when all succeeded do the ranks write
+        their own files (:func:`~trainer.checkpoint.rank_path`), then rank zero the main file,
+        and nobody continues before it is on disk (see :mod:`trainer.checkpoint`).
+        """
+        ctx = self.dist
+        tree = ctx.together("checkpoint_states", lambda: self._checkpoint_tree(path))
+        if not ctx.enabled:
+            write_checkpoint(path, tree)
+            return
+        main, own = rank_state(tree, ctx.rank, ctx.world_size)
+        ctx.together("checkpoint_written", lambda: write_checkpoint(rank_path(path, ctx.rank), own))
+        if ctx.is_zero:
+            ctx.together("checkpoint_main", lambda: write_checkpoint(path, main))
+        else:
+            ctx.together("checkpoint_main", lambda: None)
+
+    def _checkpoint_tree(self, path: str) -> dict[str, Any]:
         model, optimizer = self._require_attached("save")
         states = ListenerStates()
         ev = self.events
@@ -674,7 +743,7 @@ class Trainer:
             "pending_grads": pending,
             "listeners": states.to_tree(),
         }
-        write_checkpoint(path, tree)
+        return tree
 
     def load_checkpoint(
         self,
@@ -718,7 +787,11 @@ class Trainer:
             )
         self.attach(model, optimizer, self.scheduler if scheduler is None else scheduler)
         path = os.fspath(path)
-        tree = read_checkpoint(path)
+        if not self.dist.enabled:
+            self.dist = _distributed.resolve(self.distributed)
+            self.events.rank = self.dist.rank
+        ctx = self.dist
+        tree = merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
         plan = self._check_checkpoint(path, tree, model, optimizer, strict)
         self._apply_checkpoint(path, tree, plan)
 
@@ -912,7 +985,15 @@ class Trainer:
             "model": self.model,
             "optimizer": self.optimizer,
             "state": self.state,
+            "rank": self.dist.rank,
+            "world_size": self.dist.world_size,
         }
+
+    def _check_ranks_agree(self) -> None:
+        """At train start: every rank has the same collective listeners, and none failed."""
+        collective = [s.key for s in self.events.subscriptions() if s.runs_on == "collective"]
+        self.dist.same_everywhere(",".join(collective), "the collective listeners")
+        self.dist.safe_point("train_start")
 
 
 def _optimizer_state_problems(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -76,6 +76,15 @@ _STATE_KEYS = (
 # --------------------------------------------------------------------------------------------
 
 
+def _indices_to(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy CPU-drawn indices to ``device``; to a GPU through pinned memory, without waiting."""
+    if indices.device == device:
+        return indices
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -471,7 +480,9 @@ class DataBuffer(abc.ABC):
                 f"cannot sample from an empty {type(self).__name__}: call update() first"
             )
         spec, stored_targets = cast(dict, self._spec), cast(torch.Tensor, self._targets)
-        idx = _draw_distinct(self._length, batch_size, self._sample_generator).to(self.device)
+        idx = _indices_to(
+            _draw_distinct(self._length, batch_size, self._sample_generator), self.device
+        )
         inputs = _structure.unflatten(spec, [s.index_select(0, idx) for s in self._inputs])
         targets = stored_targets.index_select(0, idx)
         metadata = {"idx": idx}
@@ -742,7 +753,7 @@ class DataBuffer(abc.ABC):
         batch_size: int,
         sources: list[torch.Tensor],
     ) -> None:
-        device_slots = slots.to(self.device)
+        device_slots = _indices_to(slots, self.device)
         whole_batch = positions.numel() == batch_size  # positions are then 0 .. batch_size - 1
         moved_positions: dict[torch.device, torch.Tensor] = {}
         for stored, source in zip(self._storage(), sources):
@@ -750,7 +761,7 @@ class DataBuffer(abc.ABC):
             if not whole_batch:
                 pos = moved_positions.get(source.device)
                 if pos is None:
-                    pos = moved_positions[source.device] = positions.to(source.device)
+                    pos = moved_positions[source.device] = _indices_to(positions, source.device)
                 source = source.index_select(0, pos)
             stored.index_copy_(0, device_slots, source.to(stored.device))
 

@@ -1,0 +1,443 @@
+"""GPU check: step time against bare loops, and whether steady-state steps synchronise.
+
+On one CUDA device, in under five minutes, prints:
+
+1. the median time per training step of ``Trainer.fit`` against a bare hand-written loop, for an
+   MLP 784-256-256-10 at batch 128 in fp32 and in bf16-mixed, with the data set resident on the
+   GPU (``TensorLoader(device="cuda")``) and with a ``DataLoader`` from pinned memory (the bare
+   loop copies with ``non_blocking=True``, the trainer's batch mover does the same). The trainer
+   is timed with ``nonfinite_loss="off"`` and with the default ``"raise"``, whose check reads one
+   bool from the GPU per step;
+2. the step of ``ExperienceReplayLearner`` (buffer on the GPU:
+   ``ReservoirBuffer(..., device="cuda")`` passed as ``buffer=``) against a bare replay loop
+   (random memory batch from GPU tensors, concatenated with the new batch, one forward and
+   backward) and the same loop with a sync-free reservoir update written on the GPU;
+3. the sync check: steady-state steps (after warm-up, from the second batch of a fit to its last)
+   run under ``torch.cuda.set_sync_debug_mode("error")`` with ``Trainer(nonfinite_loss="off")``;
+   the verdict names the operation that synchronised, if any (the ``RuntimeError`` is caught and
+   printed with the frames of this project). Then the same steps, and a whole fit, under
+   ``"warn"``, to list every synchronising line with its count.
+
+Every time is measured with ``torch.cuda.synchronize()`` before and after a run of steps. Without
+CUDA the script prints "no CUDA device; nothing to check" and exits 0; ``--cpu-dry-run`` runs the
+same code on the CPU with small sizes (the sync checks then check nothing) to try the script out.
+
+Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--cpu-dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from renate_events.learners import ExperienceReplayLearner
+from renate_events.memory import ReservoirBuffer
+from trainer import TensorLoader, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT_DIRS = tuple(os.path.join(ROOT, d) + os.sep for d in ("trainer", "renate_events"))
+SYNC_MESSAGE = "synchronizing CUDA operation"
+PRECISIONS = ("32", "bf16-mixed")
+FEATURES, CLASSES, BATCH, MEMORY = 784, 10, 128, 2_000
+
+Run = Callable[[], Any]
+
+
+def mlp(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, CLASSES),
+    ).to(device)
+
+
+def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(samples, FEATURES, generator=generator),
+        torch.randint(0, CLASSES, (samples,), generator=generator),
+    )
+
+
+def autocast(precision: str, device: torch.device) -> Any:
+    if precision == "32":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def set_sync_mode(device: torch.device, mode: str | int) -> None:
+    """``torch.cuda.set_sync_debug_mode`` on CUDA; nothing on the CPU (dry run)."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def measure(variants: dict[str, Run], steps: int, rounds: int, device: torch.device) -> dict:
+    """Median µs per step of each variant: one warm-up run, then ``rounds`` interleaved rounds."""
+    for run in variants.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            times[name].append((time.perf_counter() - start) / steps * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_times(title: str, medians: dict[str, float], reference: str) -> None:
+    base = medians[reference]
+    print(f"\n{title} (median µs per step; ratio against {reference!r})")
+    width = max(len(name) for name in medians)
+    for name, value in medians.items():
+        print(f"  {name:{width}s}  {value:9.1f}  {value / base:5.2f}x")
+
+
+def loop_section(device: torch.device, steps: int, rounds: int) -> None:
+    x, y = make_data(BATCH * steps, seed=1)
+    resident = TensorLoader((x, y), batch_size=BATCH, shuffle=True, device=device)
+    pinned = DataLoader(
+        TensorDataset(x, y), batch_size=BATCH, shuffle=True, pin_memory=device.type == "cuda"
+    )
+    for precision in PRECISIONS:
+        model = mlp(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step(batch: Any, model: torch.nn.Module = model) -> torch.Tensor:
+            inputs, targets = batch
+            return F.cross_entropy(model(inputs), targets)
+
+        def bare(
+            loader: Iterable[Any],
+            model: torch.nn.Module = model,
+            optimizer: torch.optim.Optimizer = optimizer,
+            precision: str = precision,
+        ) -> Run:
+            def run() -> None:
+                for inputs, targets in loader:
+                    inputs = inputs.to(device, non_blocking=True)
+                    targets = targets.to(device, non_blocking=True)
+                    optimizer.zero_grad(set_to_none=True)
+                    with autocast(precision, device):
+                        loss = F.cross_entropy(model(inputs), targets)
+                    loss.backward()
+                    optimizer.step()
+
+            return run
+
+        def fit(
+            loader: Iterable[Any],
+            nonfinite: str,
+            model: torch.nn.Module = model,
+            optimizer: torch.optim.Optimizer = optimizer,
+            step: Callable[[Any], torch.Tensor] = step,
+            precision: str = precision,
+        ) -> Run:
+            trainer = Trainer(
+                max_epochs=1, device=device, precision=precision, nonfinite_loss=nonfinite
+            )
+            return lambda: trainer.fit(model, optimizer, loader, step)
+
+        variants = {
+            "bare loop, GPU-resident TensorLoader": bare(resident),
+            "Trainer, GPU-resident, nonfinite_loss='off'": fit(resident, "off"),
+            "Trainer, GPU-resident, nonfinite_loss='raise'": fit(resident, "raise"),
+            "bare loop, pinned DataLoader": bare(pinned),
+            "Trainer, pinned DataLoader, nonfinite_loss='off'": fit(pinned, "off"),
+        }
+        medians = measure(variants, steps, rounds, device)
+        print_times(
+            f"(1) training loop, MLP 784-256-256-10, batch {BATCH}, precision {precision}",
+            medians,
+            "bare loop, GPU-resident TensorLoader",
+        )
+
+
+def make_learner(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str, device: torch.device
+) -> ExperienceReplayLearner:
+    return ExperienceReplayLearner(
+        model=model,
+        optimizer=optimizer,
+        memory_size=MEMORY,
+        memory_batch_size=BATCH,
+        batch_size=BATCH,
+        buffer=ReservoirBuffer(MEMORY, seed=0, device=device),
+        trainer=Trainer(max_epochs=1, device=device, precision=precision, nonfinite_loss="off"),
+    )
+
+
+def replay_section(device: torch.device, steps: int, rounds: int) -> None:
+    x, y = make_data(BATCH * steps, seed=3)
+    warm_x, warm_y = make_data(MEMORY + BATCH, seed=2)
+    loader = TensorLoader((x, y), batch_size=BATCH, shuffle=True, device=device)
+    warm = TensorLoader((warm_x, warm_y), batch_size=BATCH, shuffle=True, device=device)
+    for precision in PRECISIONS:
+        model = mlp(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        learner = make_learner(model, optimizer, precision, device)
+        learner.fit(warm)  # fills the memory
+        # One spare row (index MEMORY) takes the samples the reservoir rejects, so the update
+        # needs no boolean mask (which would synchronise).
+        memory_x = torch.cat([warm_x[:MEMORY], warm_x[:1]]).to(device)
+        memory_y = torch.cat([warm_y[:MEMORY], warm_y[:1]]).to(device)
+        memory_logits = torch.zeros(MEMORY + 1, CLASSES, device=device)
+        seen = [MEMORY]
+
+        def bare_replay(
+            update_memory: bool,
+            model: torch.nn.Module = model,
+            optimizer: torch.optim.Optimizer = optimizer,
+            precision: str = precision,
+            memory: tuple[torch.Tensor, ...] = (memory_x, memory_y, memory_logits),
+            seen: list[int] = seen,
+        ) -> Run:
+            memory_x, memory_y, memory_logits = memory
+
+            def run() -> None:
+                for inputs, targets in loader:
+                    optimizer.zero_grad(set_to_none=True)
+                    idx = torch.randint(0, MEMORY, (BATCH,), device=device)
+                    with autocast(precision, device):
+                        outputs = model(torch.cat([inputs, memory_x[idx]]))
+                        loss = F.cross_entropy(outputs, torch.cat([targets, memory_y[idx]]))
+                    loss.backward()
+                    optimizer.step()
+                    if update_memory:
+                        n = seen[0]
+                        raw = torch.randint(0, 2**62, (BATCH,), device=device)
+                        slots = raw % torch.arange(n + 1, n + BATCH + 1, device=device)
+                        slots = torch.where(slots < MEMORY, slots, MEMORY)
+                        memory_x.index_copy_(0, slots, inputs)
+                        memory_y.index_copy_(0, slots, targets)
+                        memory_logits.index_copy_(0, slots, outputs[:BATCH].detach().float())
+                        seen[0] = n + BATCH
+
+            return run
+
+        variants = {
+            "bare replay": bare_replay(False),
+            "bare replay + reservoir update": bare_replay(True),
+            "ExperienceReplayLearner, GPU buffer": lambda learner=learner: learner.fit(loader),
+        }
+        medians = measure(variants, steps, rounds, device)
+        print_times(
+            f"(2) replay step, MLP, batch {BATCH} + memory batch {BATCH}, {MEMORY} slots on the "
+            f"GPU, precision {precision}",
+            medians,
+            "bare replay",
+        )
+
+
+# -- sync check ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def sync_window(trainer: Trainer, device: torch.device, mode: str, last: int) -> Iterator[None]:
+    """Sync debugging from ``batch_start`` of the second batch to ``batch_end`` of batch ``last``.
+
+    The switch-on runs before every other ``batch_start`` receiver, the switch-off after every
+    other ``batch_end`` receiver (the learner's buffer update included), so that everything in
+    between is checked: the step, backward, optimizer step, listeners, and for later batches the
+    loader and the batch move.
+    """
+
+    def sync_on(state: Any) -> None:
+        if state.batch_idx == 1:
+            set_sync_mode(device, mode)
+
+    def sync_off(state: Any) -> None:
+        if state.batch_idx == last:
+            set_sync_mode(device, 0)
+
+    trainer.connect("batch_start", sync_on, priority=10**9)
+    trainer.connect("batch_end", sync_off, priority=-(10**9))
+    try:
+        yield
+    finally:
+        set_sync_mode(device, 0)
+        trainer.unsubscribe(sync_on)
+        trainer.unsubscribe(sync_off)
+
+
+def _ours(frames: Iterable[traceback.FrameSummary]) -> list[str]:
+    return [
+        f"{os.path.relpath(f.filename, ROOT)}:{f.lineno}: {(f.line or '').strip()}"
+        for f in frames
+        if f.filename.startswith(PROJECT_DIRS)
+    ]
+
+
+def describe(exc: BaseException) -> str:
+    """The synchronising operation behind ``exc`` (searched along its cause chain)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if SYNC_MESSAGE in str(seen):
+            frames = traceback.extract_tb(seen.__traceback__)
+            lines = _ours(frames) or [f"{f.filename}:{f.lineno}" for f in frames[-1:]]
+            innermost = frames[-1]
+            where = "\n      ".join(lines[-4:])
+            return (
+                f"SYNCHRONISED: {type(seen).__name__}: {seen}\n"
+                f"    innermost call: {innermost.filename}:{innermost.lineno}: "
+                f"{(innermost.line or '').strip()}\n"
+                f"    project frames (outermost first):\n      {where}"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return f"FAILED for another reason: {type(exc).__name__}: {exc}"
+
+
+@contextmanager
+def sync_warnings() -> Iterator[collections.Counter[str]]:
+    """Count "synchronizing CUDA operation" warnings by the innermost project frame."""
+    sites: collections.Counter[str] = collections.Counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        previous = warnings.showwarning
+
+        def record(message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
+            if SYNC_MESSAGE not in str(message):
+                previous(message, category, filename, lineno, *args)
+                return
+            ours = _ours(traceback.extract_stack()[:-1])
+            sites[ours[-1] if ours else f"{filename}:{lineno}"] += 1
+
+        warnings.showwarning = record
+        yield sites
+
+
+def _trainer_fit(
+    device: torch.device, loader: Iterable[Any], precision: str = "32", nonfinite: str = "off"
+) -> tuple[Trainer, Run]:
+    model = mlp(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    trainer = Trainer(max_epochs=1, device=device, precision=precision, nonfinite_loss=nonfinite)
+
+    def step(batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets)
+
+    return trainer, lambda: trainer.fit(model, optimizer, loader, step)
+
+
+def _learner_fit(
+    device: torch.device, loader: Iterable[Any], precision: str
+) -> tuple[Trainer, Run]:
+    model = mlp(device)
+    learner = make_learner(model, torch.optim.Adam(model.parameters(), lr=1e-3), precision, device)
+    return learner.trainer, lambda: learner.fit(loader)
+
+
+def sync_scenarios(device: torch.device, batches: int) -> dict[str, tuple[Trainer, Run]]:
+    """Each scenario: the trainer to watch and a fit over ``batches`` batches."""
+    x, y = make_data(BATCH * batches, seed=4)
+    resident = TensorLoader((x, y), batch_size=BATCH, device=device)
+    pinned = DataLoader(TensorDataset(x, y), batch_size=BATCH, pin_memory=device.type == "cuda")
+    scenarios: dict[str, tuple[Trainer, Run]] = {}
+    for precision in PRECISIONS:
+        scenarios[f"Trainer, GPU-resident TensorLoader, {precision}"] = _trainer_fit(
+            device, resident, precision
+        )
+        scenarios[f"ExperienceReplayLearner, GPU buffer, {precision}"] = _learner_fit(
+            device, resident, precision
+        )
+    scenarios["Trainer, pinned DataLoader, 32"] = _trainer_fit(device, pinned)
+    # The default loss check reads one bool per step: this one must be reported.
+    scenarios["canary: Trainer with the default nonfinite_loss='raise'"] = _trainer_fit(
+        device, resident, nonfinite="raise"
+    )
+    return scenarios
+
+
+def sync_section(device: torch.device, batches: int) -> None:
+    print(
+        f"\n(3) sync check: steady-state steps (batches 2..{batches} of a fit, after a warm-up "
+        "fit) under torch.cuda.set_sync_debug_mode('error'), nonfinite_loss='off' (the canary "
+        "keeps the default 'raise' and must synchronise)"
+    )
+    if device.type != "cuda":
+        print("  (CPU dry run: sync debugging needs CUDA; these verdicts check nothing)")
+    for name, (trainer, run) in sync_scenarios(device, batches).items():
+        run()  # warm-up: optimizer state, memory filled, kernels and handles created
+        try:
+            with sync_window(trainer, device, "error", last=batches - 1):
+                run()
+        except Exception as exc:
+            verdict = describe(exc)
+        else:
+            verdict = f"no synchronising operation in {batches - 1} steady-state steps"
+        print(f"  {name}: {verdict}")
+        with sync_warnings() as steady, sync_window(trainer, device, "warn", last=batches - 1):
+            run()
+        with sync_warnings() as whole:
+            set_sync_mode(device, "warn")
+            try:
+                run()
+            finally:
+                set_sync_mode(device, 0)
+        for label, sites in (("steady state", steady), (f"whole fit of {batches} steps", whole)):
+            if sites:
+                print(f"    'warn' census, {label}:")
+                for site, count in sites.most_common():
+                    print(f"      {count:4d}x {site}")
+            else:
+                print(f"    'warn' census, {label}: none")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, help="steps per timed run (default 200)")
+    parser.add_argument("--rounds", type=int, help="interleaved timed rounds (default 5)")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="without CUDA: run everything on the CPU, small"
+    )
+    args = parser.parse_args(argv)
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.cpu_dry_run:
+        device = torch.device("cpu")
+    else:
+        print("no CUDA device; nothing to check")
+        return 0
+    dry = device.type == "cpu"
+    steps = args.steps or (8 if dry else 200)
+    rounds = args.rounds or (1 if dry else 5)
+    if steps < 3 or rounds < 1:
+        parser.error("--steps must be >= 3 and --rounds >= 1")
+    name = torch.cuda.get_device_name(device) if not dry else "CPU (dry run)"
+    print(f"torch {torch.__version__} on {name}; {steps} steps per timed run, {rounds} rounds")
+    started = time.perf_counter()
+    loop_section(device, steps, rounds)
+    replay_section(device, steps, rounds)
+    sync_section(device, batches=max(3, min(steps, 20)))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
