@@ -49,6 +49,22 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts/lists of tensors and JSON values are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}.{i}")
+    else:
+        assert a == b, where
+
+
 @attrs.define(eq=False)
 class Recorder:
     """Records every event it receives into a shared log as ``(event, tag)``."""

@@ -24,7 +24,7 @@ from renate_events.learners import (
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
 )
-from tests.helpers import assert_same_tensors, parameters_of
+from tests.helpers import assert_same_tensors, assert_same_tree, parameters_of
 from trainer import Trainer, read_checkpoint
 
 
@@ -250,21 +250,6 @@ def _final_state(learner, path):
     return {"model": tree["model"], "listeners": tree["listeners"]}
 
 
-def _assert_same_tree(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same_tree(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_tree(x, y, f"{where}.{i}")
-    else:
-        assert a == b, where
-
-
 class SaveThenCrash:
     """Saves at the batch_end of step 7 and dies at the next batch_start."""
 
@@ -305,7 +290,7 @@ def test_checkpoint_mid_update_and_resume_is_bit_identical(tmp_path, cls):
 
     resumed = _resume_setup(cls)
     resumed.fit(tasks[1], resume_from=tmp_path / "mid.safetensors")
-    _assert_same_tree(reference, _final_state(resumed, tmp_path / "resumed.safetensors"))
+    assert_same_tree(reference, _final_state(resumed, tmp_path / "resumed.safetensors"))
     sample = resumed.buffer.sample(4)
     assert torch.equal(reference_sample[1]["idx"], sample[1]["idx"])
 
