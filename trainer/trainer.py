@@ -7,7 +7,6 @@ import copy
 import itertools
 import math
 import os
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -67,6 +66,19 @@ class TrainState:
     should_stop: bool = False
     batch_skipped: bool = False
     skipped_batches: int = 0
+
+
+class _LoopProgress:
+    """What the loop updates every step besides ``state``: a plain slotted object, so that a step
+    does not pay for the validation hooks of the trainer's own attributes."""
+
+    __slots__ = ("accumulated", "resume_at")
+
+    def __init__(self) -> None:
+        self.accumulated = 0
+        """Backward passes summed into the gradients since the last optimizer step."""
+        self.resume_at = (0, 0)
+        """(epoch, batch) a checkpoint taken now continues from."""
 
 
 @attrs.frozen
@@ -199,12 +211,11 @@ class Trainer:
     )
     """This process's rank and world size in the current fit (rank 0 of 1 when alone)."""
 
-    _resume_at: tuple[int, int] = attrs.field(init=False, default=(0, 0), repr=False)
+    _loop: _LoopProgress = attrs.field(init=False, factory=lambda: _LoopProgress(), repr=False)
     _epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _loaded_epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _loaded_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _validation_pending: bool = attrs.field(init=False, default=False, repr=False)
-    _accumulated: int = attrs.field(init=False, default=0, repr=False)
 
     # -- listeners ------------------------------------------------------------------------------
 
@@ -342,8 +353,8 @@ class Trainer:
         val_loader = None if val_loader is None else ctx.shard(val_loader, seed)
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
-        self._resume_at, self._loaded_epoch_rng, self._loaded_rng = (0, 0), None, None
-        self._accumulated, self._validation_pending = 0, False
+        self._loop.resume_at, self._loaded_epoch_rng, self._loaded_rng = (0, 0), None, None
+        self._loop.accumulated, self._validation_pending = 0, False
         resume = None
         if resume_from is not None:  # read and check now, restore after train_start
             path = os.fspath(resume_from)
@@ -356,6 +367,8 @@ class Trainer:
         move = _runtime.make_mover(device)
         autocast = _runtime.autocast_factory(self.precision, device)
         check_loss = self.nonfinite_loss != "off"
+        distributed, accumulate = ctx.enabled, self.accumulate_grad_batches
+        step_scheduler = scheduler if scheduler_interval == "step" else None
         ev = self.events
         common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
         common.update(state=state, rank=ctx.rank, world_size=ctx.world_size)
@@ -368,17 +381,17 @@ class Trainer:
                 ev.train_start.send(self, train_loader=train_loader, scheduler=scheduler, **common)
             if resume is not None:
                 self._apply_checkpoint(*resume)
-                if self._finished(self._resume_at[0]) and not self._validation_pending:
+                if self._finished(self._loop.resume_at[0]) and not self._validation_pending:
                     warnings.warn(
                         f"{resume[0]} is the checkpoint of a finished run (epoch "
-                        f"{self._resume_at[0]}, step {state.global_step}); this fit trains "
+                        f"{self._loop.resume_at[0]}, step {state.global_step}); this fit trains "
                         "nothing. To train further on new data, restore it with "
                         "load_checkpoint() and call fit() without resume_from.",
                         stacklevel=2,
                     )
             self._check_ranks_agree()
             epochs, last_loss, val_metrics = 0, None, {}
-            first_epoch, skip = self._resume_at
+            first_epoch, skip = self._loop.resume_at
             if self._validation_pending and val_loader is not None:
                 # The checkpoint was taken after an epoch, before its validation: run it now,
                 # as the validation of that epoch.
@@ -400,6 +413,7 @@ class Trainer:
                     _runtime.set_rng_state(self._loaded_rng)
                 batches, length = self._epoch_batches(train_loader, skip)
                 done, exhausted = skip, True
+                loop = self._loop
                 for batch_idx, batch in enumerate(batches, start=skip):
                     # Batch start: the batch is on the device.
                     state.batch_idx = batch_idx
@@ -410,35 +424,37 @@ class Trainer:
                     with autocast():
                         outputs = step(batch)
                     loss, outputs = _split_step_output(outputs)
-                    finite = not check_loss or bool(torch.isfinite(loss).all())
-                    state.batch_skipped = check_loss and ctx.any(not finite)  # same on all ranks
-                    if state.batch_skipped:
+                    skipped = check_loss and not _runtime.is_finite(loss)
+                    if check_loss and distributed:
+                        skipped = ctx.any(skipped)  # the same on all ranks
+                    state.batch_skipped = skipped
+                    if skipped:
                         self._nonfinite(loss)
                     else:
                         self._backward(loss)
                     # Optimizer step when the accumulation window is full or the data ends.
-                    last = batch_idx + 1 == length or self._steps_left() == 1
-                    if self._accumulated and (
-                        self._accumulated == self.accumulate_grad_batches or last
-                    ):
-                        self._optimizer_step(scheduler if scheduler_interval == "step" else None)
-                    state.global_step += 1
                     done = batch_idx + 1
-                    self._resume_at = (epoch, done)
+                    limit = state.max_steps
+                    last = done == length or (limit is not None and state.global_step + 1 >= limit)
+                    if loop.accumulated and (loop.accumulated == accumulate or last):
+                        self._optimizer_step(step_scheduler)
+                    state.global_step += 1
+                    loop.resume_at = (epoch, done)
                     # Batch end: parameters are updated, the loss is still on the device.
                     if ev.batch_end.active:
                         ev.batch_end.send(self, batch=batch, outputs=outputs, loss=loss, **common)
-                    state.should_stop = ctx.safe_point("batch_end", stop=state.should_stop)
+                    if distributed:
+                        state.should_stop = ctx.safe_point("batch_end", stop=state.should_stop)
                     last_loss = loss
-                    if state.should_stop or self._steps_left() == 0:
+                    if state.should_stop or (limit is not None and state.global_step >= limit):
                         exhausted = done == length
                         break
                 if done == 0:
                     raise ValueError(
                         "train_loader yielded no batches; give it data or check its sampler"
                     )
-                if self._accumulated:  # an iterable without len() ended mid-window
-                    self._optimizer_step(scheduler if scheduler_interval == "step" else None)
+                if self._loop.accumulated:  # an iterable without len() ended mid-window
+                    self._optimizer_step(step_scheduler)
                 # Epoch end: a full epoch steps an epoch-interval scheduler first. A checkpoint
                 # written from here on resumes at the next epoch (after this one's validation).
                 validate = (
@@ -450,7 +466,7 @@ class Trainer:
                             if done == skip:  # resumed after the epoch's last batch
                                 warnings.filterwarnings("ignore", "Detected call of `lr_sched")
                             scheduler.step()
-                    self._resume_at = (epoch + 1, 0)
+                    self._loop.resume_at = (epoch + 1, 0)
                     self._validation_pending = validate
                 if ev.epoch_end.active:
                     ev.epoch_end.send(self, **common)
@@ -560,11 +576,13 @@ class Trainer:
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         loss.backward()
-        self.dist.average_gradients(self.training_model, self.optimizer)  # type: ignore[arg-type]
-        self._accumulated += 1
+        if self.dist.backend is not None:  # distributed
+            self.dist.average_gradients(self.training_model, self.optimizer)  # type: ignore[arg-type]
+        self._loop.accumulated += 1
 
     def _optimizer_step(self, scheduler: Any) -> None:
-        optimizer, scaler = typing.cast(torch.optim.Optimizer, self.optimizer), self.grad_scaler
+        optimizer: torch.optim.Optimizer = self.optimizer  # type: ignore[assignment]
+        scaler = self.grad_scaler
         if self.gradient_clip_val is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -579,7 +597,7 @@ class Trainer:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self._accumulated = 0
+        self._loop.accumulated = 0
         self.state.optimizer_steps += 1
         if scheduler is not None:
             scheduler.step()
@@ -714,9 +732,9 @@ class Trainer:
             ev.save_checkpoint.send(self, checkpoint=states, path=path, **self._common())
         stateful = [s.key for s in self.events.subscriptions() if "save_checkpoint" in s.receivers]
         pending = None
-        if self._accumulated:
+        if self._loop.accumulated:
             pending = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        epoch, batch = self._resume_at
+        epoch, batch = self._loop.resume_at
         tree = {
             "trainer": {
                 "progress": {
@@ -724,7 +742,7 @@ class Trainer:
                     "batch": batch,
                     "global_step": self.state.global_step,
                     "optimizer_steps": self.state.optimizer_steps,
-                    "accumulated": self._accumulated,
+                    "accumulated": self._loop.accumulated,
                     "validation_pending": self._validation_pending,
                 },
                 "optimizer_class": type(optimizer).__qualname__,
@@ -801,9 +819,13 @@ class Trainer:
         If anything fails on the way (a listener refusing its state, say), the model, optimizer,
         scheduler, grad scaler, progress and RNG are put back as they were.
         """
-        snapshot = self._snapshot()
+        model, _ = self._require_attached("load")
+        # The model's tensors are swapped for the loaded ones where that is a plain copy
+        # (the old ones are kept for a rollback); otherwise they are copied, after a snapshot.
+        undo = None if self.dist.enabled else _runtime.swap_in_module_state(model, tree["model"])
+        snapshot = self._snapshot(model=undo is None)
         try:
-            self._restore(tree, path)
+            self._restore(tree, path, model=undo is None)
             ev = self.events
             if ev.load_checkpoint.active:
                 saved = {key: tree["listeners"][key] for key in plan}
@@ -811,27 +833,33 @@ class Trainer:
                     self, checkpoint=ListenerStates(saved), path=path, **self._common()
                 )
         except BaseException:
-            self._restore(snapshot, path)
+            if undo is not None:
+                undo()
+            self._restore(snapshot, path, model=undo is None)
             raise
 
-    def _snapshot(self) -> dict[str, Any]:
-        """The restorable state in the layout of a checkpoint tree, copied."""
-        model, optimizer = self._require_attached("load")
+    def _snapshot(self, model: bool = True) -> dict[str, Any]:
+        """The restorable state in the layout of a checkpoint tree (the model's only if
+        ``model``). Tensors are copied where restoring writes into them; the optimizer's state
+        is not: ``load_state_dict`` replaces it without writing into the old tensors."""
+        module, optimizer = self._require_attached("load")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {
-            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optimizer": copy.deepcopy(_runtime.optimizer_state_to_tree(optimizer.state_dict())),
+            "model": {k: v.detach().clone() for k, v in module.state_dict().items()}
+            if model
+            else None,
+            "optimizer": _runtime.optimizer_state_to_tree(optimizer.state_dict()),
             "scheduler": None
             if self.scheduler is None
             else copy.deepcopy(self.scheduler.state_dict()),
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
             "trainer": {
                 "progress": {
-                    "epoch": self._resume_at[0],
-                    "batch": self._resume_at[1],
+                    "epoch": self._loop.resume_at[0],
+                    "batch": self._loop.resume_at[1],
                     "global_step": self.state.global_step,
                     "optimizer_steps": self.state.optimizer_steps,
-                    "accumulated": self._accumulated,
+                    "accumulated": self._loop.accumulated,
                     "validation_pending": self._validation_pending,
                 }
             },
@@ -839,9 +867,10 @@ class Trainer:
             "rng": {"current": _runtime.get_rng_state(), "epoch_start": self._epoch_rng},
         }
 
-    def _restore(self, tree: dict[str, Any], path: str) -> None:
-        model, optimizer = self._require_attached("load")
-        model.load_state_dict(tree["model"])
+    def _restore(self, tree: dict[str, Any], path: str, model: bool = True) -> None:
+        module, optimizer = self._require_attached("load")
+        if model:
+            module.load_state_dict(tree["model"])
         optimizer.load_state_dict(_runtime.optimizer_state_from_tree(tree["optimizer"], path))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(tree["scheduler"])
@@ -851,8 +880,8 @@ class Trainer:
         self.state.epoch, self.state.batch_idx = progress["epoch"], progress["batch"]
         self.state.global_step = progress["global_step"]
         self.state.optimizer_steps = progress["optimizer_steps"]
-        self._resume_at = (progress["epoch"], progress["batch"])
-        self._accumulated = progress["accumulated"]
+        self._loop.resume_at = (progress["epoch"], progress["batch"])
+        self._loop.accumulated = progress["accumulated"]
         self._validation_pending = progress["validation_pending"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = tree["pending_grads"] or [None] * len(params)
