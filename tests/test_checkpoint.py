@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 
@@ -593,3 +594,107 @@ def test_mid_epoch_resume_with_a_loader_that_has_its_own_generator(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(crash_at=7)
     assert_same_tensors(reference, run(resume=tmp_path / "g.safetensors"))
+
+
+# -- loading swaps the loaded tensors in (no copy of the model for a rollback) --------------------
+
+
+class _HookedLoading(torch.nn.Sequential):
+    """Loading code of its own: the trainer must use load_state_dict (and a snapshot) for it."""
+
+    loads = 0
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        type(self).loads += 1
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", [torch.nn.Sequential, _HookedLoading], ids=["swap", "copy"])
+def test_loading_keeps_the_parameter_objects_and_rolls_back_either_way(tmp_path, kind):
+    torch.manual_seed(0)
+    model = kind(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    trainer = Trainer(max_epochs=2, device="cpu")
+    data = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(3)]
+
+    def step(batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    trainer.fit(model, optimizer, data, step)
+    saved = parameters_of(model)
+    trainer.save_checkpoint(tmp_path / "a.safetensors")
+    trainer.fit(model, optimizer, data, step)
+    objects = list(model.parameters())
+    trained = parameters_of(model)
+
+    class Refuses:
+        def on_load_checkpoint(self, checkpoint):
+            raise ValueError("refused")
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["x"] = 1
+
+    trainer.subscribe(Refuses(), name="refuses")
+    trainer.save_checkpoint(tmp_path / "refused.safetensors")
+    with pytest.raises(ListenerError, match="refused"):
+        trainer.load_checkpoint(tmp_path / "refused.safetensors")
+    assert_same_tensors(parameters_of(model), trained)
+    trainer.unsubscribe(trainer.listeners[-1][1])
+    trainer.load_checkpoint(tmp_path / "a.safetensors")
+    assert_same_tensors(parameters_of(model), saved)
+    assert list(model.parameters()) == objects and all(
+        a is b for a, b in zip(model.parameters(), objects)
+    )
+    # The optimizer still steps the model's parameters, from the loaded state.
+    assert all(p in optimizer.state for p in model.parameters())
+    trainer.fit(model, optimizer, data, step)
+    assert not torch.equal(model[0].weight, saved["0.weight"])
+    if kind is _HookedLoading:
+        assert _HookedLoading.loads > 0
+
+
+def test_weights_tied_in_the_file_but_not_in_the_model_load_untied(tmp_path):
+    class Pair(torch.nn.Module):
+        def __init__(self, tied):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4, bias=False)
+            self.b = torch.nn.Linear(4, 4, bias=False)
+            if tied:
+                self.b.weight = self.a.weight
+
+    tied = Pair(tied=True)
+    trainer = Trainer(device="cpu")
+    trainer.attach(tied, torch.optim.SGD(tied.parameters(), lr=0.1))
+    trainer.save_checkpoint(tmp_path / "tied.safetensors")
+    untied = Pair(tied=False)
+    trainer.load_checkpoint(
+        tmp_path / "tied.safetensors",
+        model=untied,
+        optimizer=torch.optim.SGD([untied.a.weight], lr=0.1),  # one parameter, as saved
+    )
+    assert torch.equal(untied.a.weight, tied.a.weight)
+    assert torch.equal(untied.b.weight, tied.a.weight)
+    assert untied.a.weight.data_ptr() != untied.b.weight.data_ptr()
+    with torch.no_grad():
+        untied.a.weight.add_(1.0)
+    assert torch.equal(untied.b.weight, tied.a.weight)  # b did not move with a
+
+
+def test_loaded_tensors_do_not_depend_on_the_file_afterwards(tmp_path):
+    """Nothing read keeps the file mapped: truncating or rewriting it in place afterwards changes
+    nothing (a mapped file would change under the model, or fault when truncated)."""
+    model = torch.nn.Linear(64, 64)
+    trainer = Trainer(device="cpu")
+    trainer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    path = tmp_path / "c.safetensors"
+    trainer.save_checkpoint(path)
+    saved = parameters_of(model)
+    tree = read_checkpoint(path)
+    fresh = torch.nn.Linear(64, 64)
+    trainer.load_checkpoint(path, model=fresh, optimizer=torch.optim.SGD(fresh.parameters()))
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:  # in place: the same file, other bytes
+        handle.write(b"\xff" * size)
+    os.truncate(path, 0)
+    assert_same_tensors(parameters_of(fresh), saved)
+    assert torch.equal(tree["model"]["weight"], saved["weight"])

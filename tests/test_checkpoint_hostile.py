@@ -249,7 +249,19 @@ def test_truncated_files_are_refused(tmp_path, valid):
     assert end <= len(valid)
 
 
-def test_flipped_data_bytes_are_refused_naming_the_tensor(tmp_path, valid):
+@pytest.fixture(params=["one thread", "threads"])
+def hashing(request, monkeypatch):
+    """Checksums computed in the caller's thread, and on a thread pool (as for large states)."""
+    if request.param == "threads":
+        monkeypatch.setattr(checkpoint_module, "_PARALLEL_HASH_BYTES", 0)
+    return request.param
+
+
+def test_flipped_data_bytes_are_refused_naming_the_tensor(tmp_path, hashing):
+    path = tmp_path / "valid.safetensors"
+    write_checkpoint(path, _tree())
+    valid = path.read_bytes()
+    assert read_checkpoint(path).keys() == _tree().keys()
     for name in ("model.0.weight", "ints", "half", "mask", "scalar"):
         begin, end = _tensor_span(valid, name)
         damaged = bytearray(valid)

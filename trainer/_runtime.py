@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import sys
 from collections.abc import Callable, Mapping
@@ -58,6 +59,17 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def is_finite(loss: torch.Tensor) -> bool:
+    """Whether every element of ``loss`` is finite (one read from the device).
+
+    A one-element loss is read with ``item()``, a fraction of a microsecond on the CPU; a larger
+    one is reduced on its device first.
+    """
+    if loss.numel() == 1:
+        return math.isfinite(loss.item())
+    return bool(torch.isfinite(loss).all())
 
 
 def batch_size_of(batch: Any) -> int:
@@ -178,3 +190,86 @@ def optimizer_state_from_tree(tree: Mapping[str, Any], path: str) -> dict[str, A
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointFormatError(f"{path}: the optimizer section is malformed ({exc})") from exc
+
+
+def _plain_loading(model: torch.nn.Module) -> bool:
+    """Whether ``load_state_dict`` on ``model`` would only copy tensors: no module overrides how
+    it loads (batch-norm's override only concerns files of older torch versions) and no loading
+    or state-dict hooks are registered."""
+    for module in model.modules():
+        override = type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+        if override and not isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            return False
+        hooks = (
+            "_load_state_dict_pre_hooks",
+            "_load_state_dict_post_hooks",
+            "_state_dict_hooks",
+            "_state_dict_pre_hooks",
+        )
+        if any(getattr(module, name, None) for name in hooks):
+            return False
+    return True
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
+def swap_in_module_state(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor]
+) -> Callable[[], None] | None:
+    """Make ``model``'s parameters and buffers hold ``state``'s tensors; return the undo.
+
+    Where ``load_state_dict`` copies into the current tensors (and a rollback needs a copy of them
+    first), this points each parameter and buffer at the loaded tensor (moved to its device) and
+    keeps the old one for the undo: no copy on the CPU, and no fresh memory to fault in for the
+    rollback copy. ``state`` must have been checked against the model (same keys, shapes and
+    dtypes); its tensors become the model's, so the caller must not use them afterwards.
+
+    Returns:
+        A function that puts the old tensors back, or None (nothing changed) when the model needs
+        ``load_state_dict``: custom loading code or hooks, tensors that share or do not own their
+        storage, or a layout other than the loaded tensors'.
+    """
+    if not _plain_loading(model):
+        return None
+    live = model.state_dict(keep_vars=True)
+    if live.keys() != state.keys():
+        return None
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    storages: set[int] = set()
+    used: set[int] = set()
+    for key, tensor in live.items():
+        if id(tensor) in seen:  # a tied parameter under a second name
+            continue
+        seen.add(id(tensor))
+        new = state[key]
+        if new.dtype != tensor.dtype or new.shape != tensor.shape or not _owns_its_storage(tensor):
+            return None
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and pointer in storages:  # shares memory with another entry
+            return None
+        storages.add(pointer)
+        new = new.detach().to(tensor.device)
+        if not _owns_its_storage(new) or (
+            new.numel() and new.untyped_storage().data_ptr() in used
+        ):  # a view, or memory another entry takes already (tied in the file, not in the model)
+            new = new.clone()
+        used.add(new.untyped_storage().data_ptr())
+        plan.append((tensor, new))
+    old = [(tensor, tensor.data) for tensor, _ in plan]
+    with torch.no_grad():
+        for tensor, new in plan:
+            tensor.data = new
+
+    def undo() -> None:
+        with torch.no_grad():
+            for tensor, data in old:
+                tensor.data = data
+
+    return undo

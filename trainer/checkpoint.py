@@ -48,6 +48,7 @@ file older than the rank files, which :func:`merge_rank_state` refuses with a cl
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -359,6 +360,24 @@ def _tensor_digest(code: str, shape: tuple[int, ...], tensor: torch.Tensor) -> s
     return digest.hexdigest()
 
 
+_PARALLEL_HASH_BYTES = 16 * 2**20
+"""Above this many tensor bytes in a file, tensors are hashed on several threads (hashlib releases
+the GIL while it hashes a large buffer; SHA-256 is most of the time of a large save or load)."""
+
+
+def _tensor_digests(
+    items: Mapping[str, tuple[str, tuple[int, ...], torch.Tensor]],
+) -> dict[str, str]:
+    """``_tensor_digest`` of every ``name: (code, shape, tensor)``; on threads for large states."""
+    total = sum(t.numel() * t.element_size() for _, _, t in items.values())
+    workers = min(len(items), os.cpu_count() or 1, 8)
+    if total < _PARALLEL_HASH_BYTES or workers < 2:
+        return {name: _tensor_digest(*item) for name, item in items.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(_tensor_digest, *item) for name, item in items.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def _tree_digest(metadata: Mapping[str, str]) -> str:
     """SHA-256 of the format, format version and tree entries of the metadata."""
     fields = [metadata.get(key) for key in ("format", "format_version", "tree")]
@@ -366,10 +385,9 @@ def _tree_digest(metadata: Mapping[str, str]) -> str:
 
 
 def _checksums(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
-    digests = {
-        name: _tensor_digest(_DTYPE_CODES[t.dtype], tuple(t.shape), t)
-        for name, t in sorted(tensors.items())
-    }
+    digests = _tensor_digests(
+        {name: (_DTYPE_CODES[t.dtype], tuple(t.shape), t) for name, t in sorted(tensors.items())}
+    )
     entry = {"algorithm": "sha256", "tree": _tree_digest(metadata), "tensors": digests}
     return json.dumps(entry, separators=(",", ":"))
 
@@ -474,9 +492,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     digests = _check_tree_checksum(path, metadata, layout)
     tensors = _load_tensors(path, layout)
+    actual = _tensor_digests({name: (*layout.tensors[name], tensors[name]) for name in digests})
     for name, digest in digests.items():
-        code, shape = layout.tensors[name]
-        if _tensor_digest(code, shape, tensors[name]) != digest:
+        if actual[name] != digest:
             raise CheckpointFormatError(
                 f"{path}: the bytes of tensor {_show(name)} do not match its checksum: the file "
                 "was damaged or edited after it was written; restore it from a copy"
@@ -843,7 +861,9 @@ def _load_tensors(path: str, layout: _Layout) -> dict[str, torch.Tensor]:
                 layout.metadata or {}
             ):
                 raise changed
-            tensors = {name: handle.get_tensor(name) for name in layout.tensors}
+            # safetensors maps the file; copies own their memory, so that nothing read from the
+            # file changes (or faults, if the file is truncated) after it was checked.
+            tensors = {name: handle.get_tensor(name).clone() for name in layout.tensors}
     except CheckpointFormatError:
         raise
     except Exception as exc:  # safetensors raises several types for unreadable files
