@@ -60,14 +60,48 @@ def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    """Move a nested memory batch to the model's device (a no-op where it already is)."""
+    """Move a nested memory batch to the model's device (a no-op where it already is).
+
+    From a CPU buffer to a GPU the rows are staged in pinned memory first, so that the copy is
+    asynchronous (a copy from pageable memory makes the host wait).
+    """
     if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device, non_blocking=True)
+        if value.device == device:
+            return value
+        if device.type == "cuda" and value.device.type == "cpu" and not value.is_pinned():
+            value = value.pin_memory()
+        return value.to(device, non_blocking=True)
     if isinstance(value, Mapping):
         return {key: _to_device(item, device) for key, item in value.items()}
     if isinstance(value, (tuple, list)):
         return type(value)(_to_device(item, device) for item in value)
     return value
+
+
+def _samples_independent(model: nn.Module) -> bool:
+    """Whether ``model`` has no batch-normalisation layer (whose training-time statistics make
+    one sample's output depend on the others in its batch)."""
+    return not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _mean(loss: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-sample loss; a scalar as it is (an operation less in the step)."""
+    return loss if loss.dim() == 0 else loss.mean()
+
+
+def _scaled(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """``loss * factor``, without an operation when the factor is 1."""
+    return loss if factor == 1 else loss * factor
+
+
+def _stackable(inputs: torch.Tensor, inputs_memory: Any) -> bool:
+    """Whether new and memory inputs can be concatenated along the batch."""
+    return (
+        isinstance(inputs_memory, torch.Tensor)
+        and inputs_memory.dtype == inputs.dtype
+        and inputs_memory.device == inputs.device
+        and inputs_memory.shape[1:] == inputs.shape[1:]
+    )
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -207,6 +241,16 @@ class BaseExperienceReplayLearner:
         seed: Seeds the default buffer and the trainer (when it has no seed of its own).
         trainer: The trainer to drive (epochs, device, precision, ...); subscribe your own
             listeners to it.
+        memory_forward: How the new batch and the step's first memory batch go through the model:
+            ``"separate"`` runs two forward passes (Renate's way); ``"concatenated"`` runs one
+            pass over both batches stacked and splits the outputs (and the recorded intermediate
+            representations, which must then have the batch first), saving a forward pass and
+            making the backward pass one graph; ``"auto"`` (default) concatenates unless the
+            model has batch-normalisation layers (whose batch statistics would then mix new and
+            memory samples) or ``feature_modules`` are recorded. For a model whose samples do
+            not interact the losses are the same either way (up to floating-point rounding);
+            dropout draws differ. Memory batches of later components with
+            ``sample_new_memory_batch`` always get a pass of their own.
 
     Example:
         >>> import torch
@@ -255,12 +299,18 @@ class BaseExperienceReplayLearner:
     )
     seed: int = attrs.field(default=0, validator=_int_at_least(0))
     trainer: Trainer = attrs.field(factory=Trainer)
+    memory_forward: str = attrs.field(
+        default="auto",
+        kw_only=True,
+        validator=attrs.validators.in_(("auto", "concatenated", "separate")),
+    )
 
     _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
     _recorder: IntermediateRepresentations | None = attrs.field(init=False, default=None)
     _seen_classes: torch.Tensor | None = attrs.field(init=False, default=None)
     _new_batch_size: int = attrs.field(init=False, default=0)
     _batch_checked: bool = attrs.field(init=False, default=False)
+    _concatenate: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.components:
@@ -430,41 +480,84 @@ class BaseExperienceReplayLearner:
         # gradients are averaged over the ranks while the backward pass runs.
         net = self.trainer.training_model
         net = self.model if net is None else net
-        outputs = forward(net, inputs)
-        features = self._features()
+        buffer = self.buffer
+        replay = buffer is not None and bool(self.components)
+        replay = replay and len(buffer) >= self._memory_batch()  # type: ignore[arg-type]
+        batch_memory = outputs_memory = features_memory = None
+        if replay and self._concatenate and isinstance(inputs, torch.Tensor):
+            # One pass over [new; memory]: the first memory batch rides along with the new one
+            # (when the two stack; a mismatch is left to the separate path and its checks).
+            batch_memory = _to_device(buffer.sample(self._memory_batch()), inputs.device)  # type: ignore[union-attr]
+            if _stackable(inputs, batch_memory[0][0]):
+                outputs, outputs_memory, features, features_memory = self._concatenated_forward(
+                    net, inputs, batch_memory[0][0]
+                )
+        if outputs_memory is None:
+            outputs = forward(net, inputs)
+            features = self._features()
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
-        buffer = self.buffer
         if not self._batch_checked:  # once per update: fail before any parameter changes
             if buffer is not None and not isinstance(self, JointLearner):
                 buffer.check_batch(inputs, targets, self._metadata(outputs, features))
             self._batch_checked = True
-        loss = self.loss_fn(logits, targets).mean() * self.loss_weight
-        if buffer is not None and self.components and len(buffer) >= self._memory_batch():
+        loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
+        if replay:
             total_weight = self.loss_weight
-            batch_memory = outputs_memory = features_memory = None
-            for component in self.components.values():
-                if component.sample_new_memory_batch or batch_memory is None:
-                    batch_memory = _to_device(buffer.sample(self._memory_batch()), outputs.device)
-                    (inputs_memory, _), metadata = batch_memory
-                    outputs_memory = forward(net, inputs_memory)
-                    features_memory = self._features()
-                    if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
-                        gamma = self.ema_memory_update_gamma
-                        updated = (
-                            gamma * metadata["logits"] + (1.0 - gamma) * outputs_memory.detach()
+            for i, component in enumerate(self.components.values()):
+                if i == 0 or component.sample_new_memory_batch:
+                    if i > 0 or batch_memory is None:
+                        batch_memory = _to_device(
+                            buffer.sample(self._memory_batch()),  # type: ignore[union-attr]
+                            outputs.device,
                         )
-                        buffer.set_metadata("logits", metadata["idx"], updated, distinct=True)
-                loss = loss + component.loss(outputs_memory, batch_memory, features_memory).mean()
+                    if i > 0 or outputs_memory is None:
+                        outputs_memory = forward(net, batch_memory[0][0])
+                        features_memory = self._features()
+                    self._ema_update(batch_memory, outputs_memory)
+                loss = loss + _mean(component.loss(outputs_memory, batch_memory, features_memory))
                 total_weight += component.weight
             if self.loss_normalization and total_weight > 0:
-                loss = loss / total_weight
+                loss = _scaled(loss, 1.0 / total_weight)
         return {
             "loss": loss,
             "logits": outputs.detach(),
             "features": [f.detach() for f in features],
         }
+
+    def _concatenated_forward(
+        self, net: nn.Module, inputs: torch.Tensor, inputs_memory: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Forward ``[inputs; inputs_memory]`` once and split outputs and features at the seam."""
+        n, total = inputs.shape[0], inputs.shape[0] + inputs_memory.shape[0]
+        outputs = forward(net, torch.cat([inputs, inputs_memory]))
+        features = self._features()
+        for i, feature in enumerate([outputs, *features]):
+            if not isinstance(feature, torch.Tensor) or feature.dim() == 0 or len(feature) != total:
+                what = (
+                    "the model's output" if i == 0 else f"feature {self.feature_modules[i - 1]!r}"
+                )
+                shape = tuple(feature.shape) if isinstance(feature, torch.Tensor) else feature
+                raise ValueError(
+                    f"memory_forward='concatenated' splits {what} after the first {n} rows of "
+                    f"{total}, but it has shape {shape}: the batch must be its first dimension. "
+                    "Use memory_forward='separate' for this model"
+                )
+        # split: one autograd node that stacks the two gradients (two slices would each
+        # allocate a zero gradient of the whole batch).
+        sizes = [n, total - n]
+        outputs, outputs_memory = outputs.split(sizes)
+        parts = [feature.split(sizes) for feature in features]
+        return outputs, outputs_memory, [p[0] for p in parts], [p[1] for p in parts]
+
+    def _ema_update(self, batch_memory: Any, outputs_memory: torch.Tensor) -> None:
+        """Move the stored logits of a freshly forwarded memory batch towards the current ones."""
+        (_, _), metadata = batch_memory
+        if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
+            gamma = self.ema_memory_update_gamma
+            updated = gamma * metadata["logits"] + (1.0 - gamma) * outputs_memory.detach()
+            self.buffer.set_metadata("logits", metadata["idx"], updated, distinct=True)  # type: ignore[union-attr]
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
@@ -498,10 +591,16 @@ class BaseExperienceReplayLearner:
     # -- listener hooks ---------------------------------------------------------------------------
 
     def on_train_start(self) -> None:
-        """A new update: ``mask_unused_classes`` masks the classes absent from this update, and
-        the first batch is checked against the buffer's storage before it trains."""
+        """A new update: ``mask_unused_classes`` masks the classes absent from this update, the
+        first batch is checked against the buffer's storage before it trains, and
+        ``memory_forward="auto"`` looks at the model's layers."""
         self._seen_classes = None
         self._batch_checked = False
+        self._concatenate = self.memory_forward == "concatenated" or (
+            self.memory_forward == "auto"
+            and not self.feature_modules
+            and _samples_independent(self.model)
+        )
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""

@@ -63,8 +63,12 @@ class RecordingComponent(Component):
 
 
 @settings(max_examples=25)
-@given(flags=st.lists(st.booleans(), min_size=1, max_size=5), weights=st.data())
-def test_components_run_in_order_and_memory_forwards_match_sampling_flags(flags, weights):
+@given(
+    flags=st.lists(st.booleans(), min_size=1, max_size=5),
+    weights=st.data(),
+    mode=st.sampled_from(["separate", "concatenated"]),
+)
+def test_components_run_in_order_and_memory_forwards_match_sampling_flags(flags, weights, mode):
     log: list = []
     components = {
         f"c{i}": RecordingComponent(
@@ -85,6 +89,7 @@ def test_components_run_in_order_and_memory_forwards_match_sampling_flags(flags,
         memory_batch_size=4,
         batch_size=8,
         trainer=Trainer(max_epochs=1, device="cpu"),
+        memory_forward=mode,
     )
     learner.fit(_data(n=32))
     assert log[: len(flags)] == [("train_start", i) for i in range(len(flags))]
@@ -95,9 +100,10 @@ def test_components_run_in_order_and_memory_forwards_match_sampling_flags(flags,
     ends = [("batch_end", i) for i in range(len(flags))]
     assert order == ends + (with_memory + ends) * 3
     samples = sum(flags) + (0 if flags[0] else 1)
-    new_data = [n for n in forwards if n == 8]
-    memory = [n for n in forwards if n == 4]
-    assert len(new_data) == 4 and len(memory) == 3 * samples
+    if mode == "separate":  # Renate's: new batch, then each memory batch, one pass each
+        assert forwards == [1, 8] + ([8] + [4] * samples) * 3  # 1: fit checks the labels
+    else:  # the first memory batch rides with the new batch; later ones get their own pass
+        assert forwards == [1, 8] + ([8 + 4] + [4] * (samples - 1)) * 3
     # Components that did not ask for a new batch see the previous component's batch.
     losses = [entry for entry in per_step if entry[0] == "loss"][: len(flags)]
     for i in range(1, len(flags)):
@@ -163,7 +169,8 @@ def test_batch_memory_frac_splits_the_batch_as_renate_documents():
     assert learner.memory_batch_size == 8
     learner.fit(_data(n=32))
     assert sizes[0] == 1  # the label check probes the number of outputs with one sample
-    assert sizes[1:4] == [8, 8, 8]  # new data (16 - 8), then new data + memory
+    # New data alone (16 - 8), then new data and memory in one pass of batch_size samples.
+    assert sizes[1:4] == [8, 16, 16]
 
 
 def test_buffer_is_updated_after_each_step_with_unmasked_logits():
@@ -404,3 +411,112 @@ def test_bad_input_is_refused_before_any_parameter_changes():
     assert_same_tensors(before, parameters_of(flat))
     with pytest.raises(ValueError, match="memory_batch_size=32 is larger than memory_size=10"):
         ExperienceReplayLearner(model=_model(), memory_size=10)
+
+
+# -- one forward pass over new and memory batches --------------------------------------------------
+
+
+def _forward_sizes(model):
+    sizes = []
+    model.register_forward_pre_hook(lambda module, args: sizes.append(len(args[0])))
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("make_model", "feature_modules", "expected"),
+    [
+        (lambda: _model(), (), [16]),  # no batch-norm, no features: one pass of 8 + 8
+        (
+            lambda: torch.nn.Sequential(
+                torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+            ),
+            (),
+            [8, 8],
+        ),
+        (lambda: _model(), ("1",), [8, 8]),
+    ],
+    ids=["plain", "batch-norm", "features"],
+)
+def test_auto_concatenates_unless_batch_norm_or_features(make_model, feature_modules, expected):
+    model = make_model()
+    sizes = _forward_sizes(model)
+    learner = DarkExperienceReplayLearner(
+        model=model,
+        memory_size=32,
+        memory_batch_size=8,
+        batch_size=8,
+        feature_modules=feature_modules,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    learner.fit(_data(n=32))
+    # The label check (1), the first step without memory (8), then three replaying steps.
+    assert sizes == [1, 8] + expected * 3
+
+
+def _record_losses(trainer):
+    losses = []
+    trainer.connect("batch_end", lambda loss: losses.append(loss.item()))
+    return losses
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_concatenated_and_separate_passes_train_the_same_model(gamma):
+    """For a model whose samples do not interact, one pass over [new; memory] gives the losses,
+    gradients and stored logits of two passes (up to floating-point rounding)."""
+    results = {}
+    for mode in ("separate", "concatenated"):
+        learner = DarkExperienceReplayLearner(
+            model=_model(),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            memory_size=24,
+            memory_batch_size=8,
+            batch_size=8,
+            ema_memory_update_gamma=gamma,
+            trainer=Trainer(max_epochs=2, device="cpu"),
+            memory_forward=mode,
+        )
+        losses = _record_losses(learner.trainer)
+        learner.fit(_data(n=48))
+        learner.fit(_data(n=48, seed=1))
+        stored = learner.buffer.sample(24)[1]["logits"]
+        results[mode] = (losses, parameters_of(learner.model), stored)
+    (losses_a, params_a, stored_a), (losses_b, params_b, stored_b) = results.values()
+    assert len(losses_a) == len(losses_b) == 24
+    assert losses_b == pytest.approx(losses_a, rel=1e-5, abs=1e-6)
+    for name in params_a:
+        torch.testing.assert_close(params_b[name], params_a[name], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stored_b, stored_a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_feature_without_the_batch_first_is_refused_before_training():
+    class Transpose(torch.nn.Module):
+        def forward(self, x):
+            return x.t()
+
+    class BatchSecondInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.flip = torch.nn.Linear(6, 4), Transpose()
+
+        def forward(self, x):
+            return self.flip(self.body(x)).t()  # "flip" outputs (features, batch)
+
+    learner = ExperienceReplayLearner(
+        model=BatchSecondInside(),
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        feature_modules=["flip"],
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        memory_forward="concatenated",
+    )
+    before = parameters_of(learner.model)
+    # The buffer refuses the feature on the first batch, before anything trains or concatenates.
+    with pytest.raises(ValueError, match=r"intermediate_representation_0.*batch size 8"):
+        learner.fit(_data(n=32))
+    assert_same_tensors(parameters_of(learner.model), before)
+
+
+def test_memory_forward_is_validated():
+    with pytest.raises(ValueError, match="memory_forward"):
+        ExperienceReplayLearner(model=_model(), trainer=Trainer(device="cpu"), memory_forward="x")

@@ -41,9 +41,11 @@ class WeightedLossComponent(Component):
         """Returns ``weight * _component_loss(...)``, or a zero scalar if ``weight == 0``."""
         if self.weight == 0:
             return outputs_memory.new_zeros(())
-        return self.weight * self._component_loss(
+        loss = self._component_loss(
             outputs_memory, batch_memory, intermediate_representation_memory
         )
+        # A weight of 1 adds no operation (and no autograd node) to the step.
+        return loss if self.weight == 1 else self.weight * loss
 
     @abc.abstractmethod
     def _component_loss(
