@@ -139,10 +139,13 @@ def _entry(rank: int, port: int, scenario: str, folder: str, options: dict[str, 
     )
     try:
         report = globals()[scenario](rank, folder, **options)
+        # Written before the teardown: gloo has been seen to abort the process while it tears
+        # down after a failed run on a loaded machine ("terminate called without an active
+        # exception"), after the scenario itself had finished.
+        with open(os.path.join(folder, f"{scenario}.rank{rank}.json"), "w") as handle:
+            json.dump(report, handle)
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(folder, f"{scenario}.rank{rank}.json"), "w") as handle:
-        json.dump(report, handle)
 
 
 def _spawn(scenario: str, folder: str, **options: Any) -> tuple[list[dict[str, Any]], float]:
@@ -159,6 +162,11 @@ def _spawn(scenario: str, folder: str, **options: Any) -> tuple[list[dict[str, A
         while not context.join(timeout=1):
             if time.monotonic() - started > DEADLINE_S:
                 raise AssertionError(f"{scenario} did not finish within {DEADLINE_S} s")
+    except mp.ProcessExitedException:
+        # A crash after every rank wrote its report is gloo's teardown, not the scenario.
+        reports = [os.path.join(folder, f"{scenario}.rank{r}.json") for r in range(WORLD)]
+        if not all(os.path.exists(path) for path in reports):
+            raise
     finally:
         for process in context.processes:
             if process.is_alive():
