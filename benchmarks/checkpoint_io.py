@@ -26,15 +26,21 @@ from the page cache: they measure the CPU work of each format, not the disk. Wri
 disk only where they fsync.
 
 Usage: python benchmarks/checkpoint_io.py [--large] [--repeats 5] [--dir /tmp]
+       [--markdown docs/benchmarks/checkpoint_io.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import hashlib
 import os
+import pathlib
+import platform
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +53,7 @@ from trainer import Trainer, read_checkpoint, write_checkpoint
 
 LAYER = 1024
 MB = 1_000_000
+DEFAULT_MARKDOWN = pathlib.Path(__file__).resolve().parents[1] / "docs/benchmarks/checkpoint_io.md"
 
 
 def make_model(megabytes: int) -> torch.nn.Module:
@@ -135,16 +142,23 @@ def measure(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def report(kind: str, size: int, medians: dict[str, float], reference: str) -> None:
+def report(kind: str, size: int, medians: dict[str, float], reference: str) -> list[str]:
+    """Print one table; return it as markdown lines."""
     base = medians[reference]
-    print(f"\n{kind}, {size / MB:.0f} MB of tensors (ratios against {reference})")
+    title = f"{kind}, {size / MB:.0f} MB of tensors (ratios against {reference})"
+    print(f"\n{title}")
     width = max(len(name) for name in medians)
     print(f"{'':{width}s}  {'ms':>9s}  {'MB/s':>8s}  {'ratio':>7s}")
+    markdown = [f"**{title}**", "", "| | ms | MB/s | ratio |", "| --- | ---: | ---: | ---: |"]
     for name, seconds in medians.items():
         print(
             f"{name:{width}s}  {seconds * 1e3:9.1f}  {size / MB / seconds:8.0f}  "
             f"{seconds / base:6.2f}x"
         )
+        markdown.append(
+            f"| {name} | {seconds * 1e3:.1f} | {size / MB / seconds:.0f} | {seconds / base:.2f}x |"
+        )
+    return [*markdown, ""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,14 +166,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large", action="store_true", help="also the ~500 MB state")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temp dir)")
+    parser.add_argument(
+        "--markdown",
+        type=pathlib.Path,
+        default=DEFAULT_MARKDOWN,
+        help="where to write the tables (default: docs/benchmarks/checkpoint_io.md)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     torch.set_num_threads(1)
-    print(
-        f"torch {torch.__version__}, 1 thread, median of {args.repeats} interleaved repetitions "
-        "after one warm-up; reads come from the page cache"
+    setting = (
+        f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, 1 "
+        f"thread, median of {args.repeats} interleaved repetitions after one warm-up; reads come "
+        "from the page cache"
     )
+    print(setting)
+    command = "python benchmarks/checkpoint_io.py" + "".join(
+        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    markdown = [
+        f"Measured on {datetime.date.today().isoformat()} with:",
+        "",
+        "```console",
+        f"$ {command}",
+        "```",
+        "",
+        f"{setting}.",
+        "",
+    ]
     sizes = (50, 500) if args.large else (50,)
     for megabytes in sizes:
         model = make_model(megabytes)
@@ -173,11 +208,16 @@ def main(argv: list[str] | None = None) -> None:
                 for name in sorted(os.listdir(folder))
                 if not name.startswith(".")
             }
-        report("save", size, saved, "torch.save")
-        report("load", size, loaded, "torch.load(mmap=True, weights_only=True)")
-        print("file sizes (MB): " + ", ".join(f"{n} {s:.1f}" for n, s in files.items()))
+        markdown += report("save", size, saved, "torch.save")
+        markdown += report("load", size, loaded, "torch.load(mmap=True, weights_only=True)")
+        sizes_line = "file sizes (MB): " + ", ".join(f"{n} {s:.1f}" for n, s in files.items())
+        print(sizes_line)
+        markdown += [sizes_line, ""]
         del model, runs
         gc.collect()
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text("\n".join(markdown), encoding="utf-8")
+    print(f"wrote {args.markdown}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,22 @@ The baseline samples the way Renate does: build a ``DataLoader`` over a ``Tensor
 filled storage (``shuffle=True``) and take one batch from a fresh iterator, every step. Its
 ``RandomSampler`` draws a permutation of the whole memory, so its cost grows with the size.
 
-Run: ``python benchmarks/replay_buffers.py`` (well under a minute; needs ~2 GB of memory).
+Run: ``python benchmarks/replay_buffers.py`` (well under a minute; needs ~2 GB of memory). It
+prints the tables and writes them to ``docs/benchmarks/replay_buffers.md`` (``--markdown PATH``
+to write elsewhere).
 It reads the buffer's private storage tensors to build the baseline's dataset.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import pathlib
+import platform
 import resource
+import shlex
 import statistics
+import sys
 import time
 
 import torch
@@ -38,6 +46,11 @@ STEPS = 3_000
 BASELINE_STEPS = 150
 WARMUP = 50
 FILL_CHUNK = 10_000
+DEFAULT_MARKDOWN = pathlib.Path(__file__).resolve().parents[1] / "docs/benchmarks/replay_buffers.md"
+
+
+def _machine() -> str:
+    return f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}"
 
 
 def rss_mib() -> float:
@@ -145,6 +158,20 @@ def expected_rows_written(size: int, first: int, count: int) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--markdown",
+        type=pathlib.Path,
+        default=DEFAULT_MARKDOWN,
+        help="where to write the results for the docs (default: docs/benchmarks/replay_buffers.md)",
+    )
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def emit(text: str) -> None:
+        print(text)
+        lines.extend(text.splitlines())
+
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     batches = make_batches(64, generator)
@@ -171,57 +198,76 @@ def main() -> None:
         window_rows.append((size, update_us, sample_us, step_us, floor_us))
         del buffer
 
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, batch={BATCH}, "
+    emit(f"torch {torch.__version__}, threads={torch.get_num_threads()}, batch={BATCH}, "
           f"inputs={FEATURES} float32 + int64 target + logits={CLASSES} float32 metadata; "
           f"medians over {STEPS} steps ({BASELINE_STEPS} for the DataLoader baseline); "
           "buffers full before timing")  # fmt: skip
-    print("\nReservoirBuffer: update(32) + sample(32)")
+    emit("\nReservoirBuffer: update(32) + sample(32)")
     header = (
         f"{'slots':>7} | {'storage':>9} | {'rows written':>12} | {'update µs':>9} | "
         f"{'sample µs':>9} | {'step µs':>7} | {'vs 200':>6} | {'DataLoader step µs':>18} | "
         f"{'DataLoader / ours':>17}"
     )
-    print(header)
-    print("-" * len(header))
+    emit(header)
+    emit("-" * len(header))
     base = reservoir_rows[0][4]
     for size, written, update_us, sample_us, step_us, baseline_us in reservoir_rows:
         mib = size * bytes_per_slot / 2**20
-        print(
+        emit(
             f"{size:>7} | {mib:>5.0f} MiB | {written:>12.1f} | {update_us:>9.1f} | "
             f"{sample_us:>9.1f} | {step_us:>7.1f} | {step_us / base:>5.2f}x | "
             f"{baseline_us:>18.1f} | {baseline_us / step_us:>16.1f}x"
         )
-    print(
+    emit(
         "rows written = mean rows a step writes (a full reservoir keeps sample n with probability "
         "max_size/(n+1),\nso small reservoirs far into the stream write almost nothing)"
     )
-    print("\nSlidingWindowBuffer (always writes 32 rows): update(32) + sample(32)")
+    emit("\nSlidingWindowBuffer (always writes 32 rows): update(32) + sample(32)")
     header = (
         f"{'slots':>7} | {'update µs':>9} | {'sample µs':>9} | {'step µs':>7} | {'vs 200':>6} | "
         f"{'raw rows µs':>11} | {'step - raw µs':>13} | {'vs 200':>6}"
     )
-    print(header)
-    print("-" * len(header))
+    emit(header)
+    emit("-" * len(header))
     base, base_logic = window_rows[0][3], window_rows[0][3] - window_rows[0][4]
     for size, update_us, sample_us, step_us, floor_us in window_rows:
         logic = step_us - floor_us
-        print(
+        emit(
             f"{size:>7} | {update_us:>9.1f} | {sample_us:>9.1f} | {step_us:>7.1f} | "
             f"{step_us / base:>5.2f}x | {floor_us:>11.1f} | {logic:>13.1f} | "
             f"{logic / base_logic:>5.2f}x"
         )
-    print(
+    emit(
         "raw rows = bare index_copy_ of 32 ring rows + index_select of 32 random rows of the "
         "same storage\n(the memory traffic alone: cache-resident for small buffers, DRAM for "
         "large ones); step - raw = the buffer's own work"
     )
-    print(
+    emit(
         f"\n{SIZES[-1]}-slot buffer: {bytes_per_slot:.0f} bytes per slot "
         f"({bytes_per_slot * SIZES[-1] / 2**20:.0f} MiB of storage); process RSS "
         f"{rss_full:.0f} MiB when full ({rss_before:.0f} MiB before allocating it); peak RSS "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
     )
-    print(f"total time {time.perf_counter() - started:.0f} s")
+    emit(f"total time {time.perf_counter() - started:.0f} s")
+    if args.markdown is not None:
+        command = "python benchmarks/replay_buffers.py" + "".join(
+            " " + shlex.quote(a) for a in sys.argv[1:]
+        )
+        text = [
+            f"Measured on {datetime.date.today().isoformat()} ({_machine()}) with:",
+            "",
+            "```console",
+            f"$ {command}",
+            "```",
+            "",
+            "```text",
+            *lines,
+            "```",
+            "",
+        ]
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text("\n".join(text), encoding="utf-8")
+        print(f"wrote {args.markdown}")
 
 
 if __name__ == "__main__":

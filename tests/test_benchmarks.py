@@ -1,0 +1,57 @@
+"""The benchmark scripts run end to end (tiny settings) and write the pages the docs include.
+
+They are not timing tests: the numbers of such short runs mean nothing. They catch a script broken
+by a change of the code it measures.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_compare_measures_every_variant_and_writes_its_page(tmp_path):
+    page = tmp_path / "compare.md"
+    out = _run(
+        "compare.py", "--rounds", "1", "--steps", "6", "--replay-steps", "6",
+        "--markdown", str(page),
+    )  # fmt: skip
+    text = page.read_text(encoding="utf-8")
+    for row in (
+        "bare loop, DataLoader",
+        "Trainer, TensorLoader, 10 listeners",
+        "bare replay + reservoir update",
+        "ExperienceReplayLearner, TensorLoader",
+    ):
+        assert f"| {row} |" in text
+    assert "$ python benchmarks/compare.py --rounds 1" in text
+    # Peers that are not installed are skipped with the reason, never an error.
+    for peer in ("PyTorch Lightning", "Ignite", "Avalanche"):
+        assert peer in out
+
+
+@pytest.mark.slow
+def test_checkpoint_io_writes_its_page(tmp_path):
+    page = tmp_path / "checkpoint_io.md"
+    _run("checkpoint_io.py", "--repeats", "1", "--dir", str(tmp_path), "--markdown", str(page))
+    text = page.read_text(encoding="utf-8")
+    assert "| Trainer.save_checkpoint |" in text and "| Trainer.load_checkpoint |" in text
+    assert "ratios against torch.save" in text
