@@ -212,7 +212,8 @@ class ProgressBar:
             return
         self._bar.update(1)
         if state.global_step % self.log_every_n_steps == 0:
-            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+            value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            self._bar.set_postfix(loss=f"{float(value):.4f}", refresh=False)
 
     def on_validation_end(self, metrics: dict[str, float]) -> None:
         if self._bar is not None:
