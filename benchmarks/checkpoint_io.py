@@ -32,21 +32,19 @@ Usage: python benchmarks/checkpoint_io.py [--large] [--repeats 5] [--dir /tmp]
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import hashlib
 import os
 import pathlib
 import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _report import command_line, page_header
 from safetensors.torch import load_file, save_file
 
 from trainer import Trainer, read_checkpoint, write_checkpoint
@@ -182,19 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         "from the page cache"
     )
     print(setting)
-    command = "python benchmarks/checkpoint_io.py" + "".join(
-        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    markdown = [
-        f"Measured on {datetime.date.today().isoformat()} with:",
-        "",
-        "```console",
-        f"$ {command}",
-        "```",
-        "",
-        f"{setting}.",
-        "",
-    ]
+    markdown = page_header(command_line("checkpoint_io.py", argv), setting)
     sizes = (50, 500) if args.large else (50,)
     for megabytes in sizes:
         model = make_model(megabytes)

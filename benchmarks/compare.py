@@ -40,7 +40,6 @@ Usage: python benchmarks/compare.py [--quick] [--rounds 11] [--steps 150] [--rep
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib
 import importlib.metadata
@@ -48,9 +47,7 @@ import itertools
 import logging
 import pathlib
 import platform
-import shlex
 import statistics
-import sys
 import time
 import timeit
 import warnings
@@ -60,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _report import command_line, page_header
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.learners import ExperienceReplayLearner
@@ -662,9 +660,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--quantile must be in [0, 1], got {args.quantile}")
     if min(rounds, steps, replay_steps) < 1 or min(steps, replay_steps) < SKIP + 2:
         parser.error(f"--rounds must be >= 1 and the step counts >= {SKIP + 2}")
-    command = "python benchmarks/compare.py" + "".join(
-        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    command = command_line("compare.py", argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
 
@@ -690,14 +686,7 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
 
     markdown = [
-        f"Measured on {datetime.date.today().isoformat()} with:",
-        "",
-        "```console",
-        f"$ {command}",
-        "```",
-        "",
-        f"{setting}.",
-        "",
+        *page_header(command, setting),
         *[f"- {line}" for line in peer_lines],
         "",
     ]

@@ -24,16 +24,14 @@ It reads the buffer's private storage tensors to build the baseline's dataset.
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 import platform
 import resource
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+from _report import command_line, page_header
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.memory import DataBuffer, ReservoirBuffer, SlidingWindowBuffer
@@ -250,16 +248,8 @@ def main() -> None:
     )
     emit(f"total time {time.perf_counter() - started:.0f} s")
     if args.markdown is not None:
-        command = "python benchmarks/replay_buffers.py" + "".join(
-            " " + shlex.quote(a) for a in sys.argv[1:]
-        )
         text = [
-            f"Measured on {datetime.date.today().isoformat()} ({_machine()}) with:",
-            "",
-            "```console",
-            f"$ {command}",
-            "```",
-            "",
+            *page_header(command_line("replay_buffers.py"), _machine()),
             "```text",
             *lines,
             "```",
