@@ -247,9 +247,11 @@ class BaseExperienceReplayLearner:
             representations, which must then have the batch first), saving a forward pass and
             making the backward pass one graph; ``"auto"`` (default) concatenates unless the
             model has batch-normalisation layers (whose batch statistics would then mix new and
-            memory samples) or ``feature_modules`` are recorded. For a model whose samples do
-            not interact the losses are the same either way (up to floating-point rounding);
-            dropout draws differ. Memory batches of later components with
+            memory samples) or ``feature_modules`` are recorded. Other layers that mix the
+            samples of a batch (``F.batch_norm`` called directly, batch-level statistics, expert
+            capacity limits) are not detected: pass ``"separate"`` for such models. For a
+            model whose samples do not interact the losses are the same either way (up to
+            floating-point rounding); dropout draws differ. Memory batches of later components with
             ``sample_new_memory_batch`` always get a pass of their own.
 
     Example:
@@ -519,7 +521,7 @@ class BaseExperienceReplayLearner:
                 loss = loss + _mean(component.loss(outputs_memory, batch_memory, features_memory))
                 total_weight += component.weight
             if self.loss_normalization and total_weight > 0:
-                loss = _scaled(loss, 1.0 / total_weight)
+                loss = loss if total_weight == 1 else loss / total_weight
         return {
             "loss": loss,
             "logits": outputs.detach(),

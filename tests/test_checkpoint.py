@@ -698,3 +698,67 @@ def test_loaded_tensors_do_not_depend_on_the_file_afterwards(tmp_path):
     os.truncate(path, 0)
     assert_same_tensors(parameters_of(fresh), saved)
     assert torch.equal(tree["model"]["weight"], saved["weight"])
+
+
+class _WithExtraState(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(2, 2)
+        self.calls = torch.zeros(3)
+
+    def get_extra_state(self):
+        return self.calls
+
+    def set_extra_state(self, state):
+        self.calls = state.clone()
+
+
+class _AliasingBuffer(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(2, 2)
+        self.register_buffer("row", self.weight.data[0], persistent=False)  # a view of weight
+
+
+class _RemappingNorm(torch.nn.BatchNorm1d):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict[prefix + "bias"] = state_dict[prefix + "bias"] + 100.0  # transforms on load
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "check"),
+    [
+        (
+            _WithExtraState,
+            lambda fresh, source: torch.equal(fresh.calls, source.calls),
+        ),
+        (
+            _AliasingBuffer,
+            lambda fresh, source: torch.equal(fresh.row, source.weight.detach()[0]),
+        ),
+        (
+            lambda: _RemappingNorm(2),
+            lambda fresh, source: torch.equal(fresh.bias, source.bias.detach() + 100.0),
+        ),
+    ],
+    ids=["extra-state", "aliasing-buffer", "norm-with-own-loading"],
+)
+def test_models_with_their_own_loading_or_aliases_are_loaded_in_place(tmp_path, make, check):
+    from trainer import _runtime
+
+    torch.manual_seed(0)
+    source = make()
+    with torch.no_grad():
+        for tensor in source.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.uniform_()
+    if isinstance(source, _WithExtraState):
+        source.calls = torch.tensor([1.0, 2.0, 3.0])
+    trainer = Trainer(device="cpu")
+    trainer.attach(source, torch.optim.SGD(source.parameters(), lr=0.1))
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    fresh = make()
+    assert not _runtime.swappable(fresh, read_checkpoint(tmp_path / "c.safetensors")["model"])
+    trainer.load_checkpoint(
+        tmp_path / "c.safetensors", model=fresh, optimizer=torch.optim.SGD(fresh.parameters())
+    )
+    assert check(fresh, source)

@@ -194,11 +194,16 @@ def optimizer_state_from_tree(tree: Mapping[str, Any], path: str) -> dict[str, A
 
 def _plain_loading(model: torch.nn.Module) -> bool:
     """Whether ``load_state_dict`` on ``model`` would only copy tensors: no module overrides how
-    it loads (batch-norm's override only concerns files of older torch versions) and no loading
-    or state-dict hooks are registered."""
+    it loads (batch-norm's own override only concerns files of older torch versions) or keeps
+    extra state, and no loading or state-dict hooks are registered."""
+    plain = (
+        torch.nn.Module._load_from_state_dict,
+        torch.nn.modules.batchnorm._NormBase._load_from_state_dict,
+    )
     for module in model.modules():
-        override = type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
-        if override and not isinstance(module, torch.nn.modules.batchnorm._NormBase):
+        if type(module)._load_from_state_dict not in plain:
+            return False
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             return False
         hooks = (
             "_load_state_dict_pre_hooks",
@@ -219,6 +224,53 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
     )
 
 
+def _swap_plan(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(live tensor, loaded tensor) pairs, one per distinct parameter or buffer, or None when
+    ``model`` must be loaded with ``load_state_dict`` (see :func:`swap_in_module_state`)."""
+    if not _plain_loading(model):
+        return None
+    live = model.state_dict(keep_vars=True)
+    if live.keys() != state.keys():
+        return None
+    # Memory that something else in the model aliases (a non-persistent buffer viewing a
+    # parameter, say) or that other processes share must be written in place.
+    live_ids = {id(t) for t in live.values()}
+    aliased = {
+        b.untyped_storage().data_ptr()
+        for b in model.buffers()
+        if id(b) not in live_ids and b.numel()
+    }
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    storages: set[int] = set()
+    for key, tensor in live.items():
+        if id(tensor) in seen:  # a tied parameter under a second name
+            continue
+        seen.add(id(tensor))
+        new = state[key]
+        if (
+            not isinstance(new, torch.Tensor)
+            or new.dtype != tensor.dtype
+            or new.shape != tensor.shape
+            or not _owns_its_storage(tensor)
+            or tensor.is_shared()
+        ):
+            return None
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and (pointer in storages or pointer in aliased):
+            return None
+        storages.add(pointer)
+        plan.append((tensor, new))
+    return plan
+
+
+def swappable(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether :func:`swap_in_module_state` can load ``state`` into ``model``."""
+    return _swap_plan(model, state) is not None
+
+
 def swap_in_module_state(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor]
 ) -> Callable[[], None] | None:
@@ -228,43 +280,32 @@ def swap_in_module_state(
     first), this points each parameter and buffer at the loaded tensor (moved to its device) and
     keeps the old one for the undo: no copy on the CPU, and no fresh memory to fault in for the
     rollback copy. ``state`` must have been checked against the model (same keys, shapes and
-    dtypes); its tensors become the model's, so the caller must not use them afterwards.
+    dtypes); its tensors become the model's, so the caller must not use them afterwards. A view
+    of a parameter's old memory taken outside the model (``w = param.data[0]``) keeps the old
+    values; the parameter objects themselves are unchanged. Everything is moved to its device
+    before the first swap, so a failing move changes nothing.
 
     Returns:
         A function that puts the old tensors back, or None (nothing changed) when the model needs
-        ``load_state_dict``: custom loading code or hooks, tensors that share or do not own their
-        storage, or a layout other than the loaded tensors'.
+        ``load_state_dict``: custom loading code, extra state or hooks, tensors that share or do
+        not own their storage, or another dtype or shape than the loaded tensors'.
     """
-    if not _plain_loading(model):
+    plan = _swap_plan(model, state)
+    if plan is None:
         return None
-    live = model.state_dict(keep_vars=True)
-    if live.keys() != state.keys():
-        return None
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-    seen: set[int] = set()
-    storages: set[int] = set()
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     used: set[int] = set()
-    for key, tensor in live.items():
-        if id(tensor) in seen:  # a tied parameter under a second name
-            continue
-        seen.add(id(tensor))
-        new = state[key]
-        if new.dtype != tensor.dtype or new.shape != tensor.shape or not _owns_its_storage(tensor):
-            return None
-        pointer = tensor.untyped_storage().data_ptr()
-        if tensor.numel() and pointer in storages:  # shares memory with another entry
-            return None
-        storages.add(pointer)
+    for tensor, new in plan:
         new = new.detach().to(tensor.device)
         if not _owns_its_storage(new) or (
             new.numel() and new.untyped_storage().data_ptr() in used
         ):  # a view, or memory another entry takes already (tied in the file, not in the model)
             new = new.clone()
         used.add(new.untyped_storage().data_ptr())
-        plan.append((tensor, new))
-    old = [(tensor, tensor.data) for tensor, _ in plan]
+        moved.append((tensor, new))
+    old = [(tensor, tensor.data) for tensor, _ in moved]
     with torch.no_grad():
-        for tensor, new in plan:
+        for tensor, new in moved:
             tensor.data = new
 
     def undo() -> None:

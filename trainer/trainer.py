@@ -529,7 +529,7 @@ class Trainer:
 
     def _finished(self, epoch: int) -> bool:
         state = self.state
-        if state.should_stop or self._steps_left() == 0:
+        if state.should_stop or self._steps_left() <= 0:
             return True
         return state.max_epochs is not None and epoch >= state.max_epochs
 
@@ -820,11 +820,14 @@ class Trainer:
         scheduler, grad scaler, progress and RNG are put back as they were.
         """
         model, _ = self._require_attached("load")
-        # The model's tensors are swapped for the loaded ones where that is a plain copy
-        # (the old ones are kept for a rollback); otherwise they are copied, after a snapshot.
-        undo = None if self.dist.enabled else _runtime.swap_in_module_state(model, tree["model"])
-        snapshot = self._snapshot(model=undo is None)
+        # The model's tensors are swapped for the loaded ones where that is a plain copy (the
+        # old ones are kept for a rollback); otherwise they are copied in, after a snapshot.
+        swap = not self.dist.enabled and _runtime.swappable(model, tree["model"])
+        snapshot = self._snapshot(model=not swap)
+        undo = None
         try:
+            if swap:
+                undo = _runtime.swap_in_module_state(model, tree["model"])
             self._restore(tree, path, model=undo is None)
             ev = self.events
             if ev.load_checkpoint.active:
@@ -835,7 +838,7 @@ class Trainer:
         except BaseException:
             if undo is not None:
                 undo()
-            self._restore(snapshot, path, model=undo is None)
+            self._restore(snapshot, path, model=not swap)
             raise
 
     def _snapshot(self, model: bool = True) -> dict[str, Any]:
