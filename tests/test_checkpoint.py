@@ -757,7 +757,7 @@ def test_models_with_their_own_loading_or_aliases_are_loaded_in_place(tmp_path, 
     trainer.attach(source, torch.optim.SGD(source.parameters(), lr=0.1))
     trainer.save_checkpoint(tmp_path / "c.safetensors")
     fresh = make()
-    assert not _runtime.swappable(fresh, read_checkpoint(tmp_path / "c.safetensors")["model"])
+    assert _runtime.swap_plan(fresh, read_checkpoint(tmp_path / "c.safetensors")["model"]) is None
     trainer.load_checkpoint(
         tmp_path / "c.safetensors", model=fresh, optimizer=torch.optim.SGD(fresh.parameters())
     )

@@ -224,11 +224,16 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
     )
 
 
-def _swap_plan(
+def swap_plan(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """(live tensor, loaded tensor) pairs, one per distinct parameter or buffer, or None when
-    ``model`` must be loaded with ``load_state_dict`` (see :func:`swap_in_module_state`)."""
+    """What :func:`swap_in_module_state` would do: (live tensor, loaded tensor) pairs, one per
+    distinct parameter or buffer, or None when ``model`` must be loaded with ``load_state_dict``:
+    custom loading code, extra state or hooks, tensors that share or do not own their storage, or
+    another dtype or shape than the loaded tensors'. Reads metadata only; changes nothing.
+
+    ``state`` must have been checked against the model (same keys, shapes and dtypes).
+    """
     if not _plain_loading(model):
         return None
     live = model.state_dict(keep_vars=True)
@@ -266,33 +271,21 @@ def _swap_plan(
     return plan
 
 
-def swappable(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> bool:
-    """Whether :func:`swap_in_module_state` can load ``state`` into ``model``."""
-    return _swap_plan(model, state) is not None
-
-
-def swap_in_module_state(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor]
-) -> Callable[[], None] | None:
-    """Make ``model``'s parameters and buffers hold ``state``'s tensors; return the undo.
+def swap_in_module_state(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    """Make the model's parameters and buffers of a :func:`swap_plan` hold the loaded tensors;
+    return the undo.
 
     Where ``load_state_dict`` copies into the current tensors (and a rollback needs a copy of them
     first), this points each parameter and buffer at the loaded tensor (moved to its device) and
     keeps the old one for the undo: no copy on the CPU, and no fresh memory to fault in for the
-    rollback copy. ``state`` must have been checked against the model (same keys, shapes and
-    dtypes); its tensors become the model's, so the caller must not use them afterwards. A view
-    of a parameter's old memory taken outside the model (``w = param.data[0]``) keeps the old
-    values; the parameter objects themselves are unchanged. Everything is moved to its device
-    before the first swap, so a failing move changes nothing.
+    rollback copy. The loaded tensors become the model's, so the caller must not use them
+    afterwards. A view of a parameter's old memory taken outside the model
+    (``w = param.data[0]``) keeps the old values; the parameter objects themselves are unchanged.
+    Everything is moved to its device before the first swap, so a failing move changes nothing.
 
     Returns:
-        A function that puts the old tensors back, or None (nothing changed) when the model needs
-        ``load_state_dict``: custom loading code, extra state or hooks, tensors that share or do
-        not own their storage, or another dtype or shape than the loaded tensors'.
+        A function that puts the old tensors back.
     """
-    plan = _swap_plan(model, state)
-    if plan is None:
-        return None
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     used: set[int] = set()
     for tensor, new in plan:

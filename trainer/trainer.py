@@ -822,12 +822,13 @@ class Trainer:
         model, _ = self._require_attached("load")
         # The model's tensors are swapped for the loaded ones where that is a plain copy (the
         # old ones are kept for a rollback); otherwise they are copied in, after a snapshot.
-        swap = not self.dist.enabled and _runtime.swappable(model, tree["model"])
+        swaps = None if self.dist.enabled else _runtime.swap_plan(model, tree["model"])
+        swap = swaps is not None
         snapshot = self._snapshot(model=not swap)
         undo = None
         try:
-            if swap:
-                undo = _runtime.swap_in_module_state(model, tree["model"])
+            if swaps is not None:
+                undo = _runtime.swap_in_module_state(swaps)
             self._restore(tree, path, model=undo is None)
             ev = self.events
             if ev.load_checkpoint.active:
