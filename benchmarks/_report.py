@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import pathlib
 import shlex
 import sys
 
@@ -24,3 +25,10 @@ def page_header(command: str, setting: str | None = None) -> list[str]:
         "",
     ]
     return lines + ([f"{setting}.", ""] if setting else [])
+
+
+def write_page(path: pathlib.Path, lines: list[str]) -> None:
+    """Write a page's markdown lines to ``path`` (folders made as needed) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    print(f"wrote {path}")

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _report import command_line, page_header
+from _report import command_line, page_header, write_page
 from safetensors.torch import load_file, save_file
 
 from trainer import Trainer, read_checkpoint, write_checkpoint
@@ -201,9 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         markdown += [sizes_line, ""]
         del model, runs
         gc.collect()
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text("\n".join(markdown), encoding="utf-8")
-    print(f"wrote {args.markdown}")
+    write_page(args.markdown, markdown)
 
 
 if __name__ == "__main__":

@@ -57,25 +57,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _report import command_line, page_header
+from _report import command_line, page_header, write_page
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.learners import ExperienceReplayLearner
-from trainer import TensorLoader, Trainer
+from trainer import EVENTS, TensorLoader, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_MARKDOWN = ROOT / "docs" / "benchmarks" / "compare.md"
 
-LOOP_EVENTS = (
-    "train_start",
-    "epoch_start",
-    "batch_start",
-    "batch_end",
-    "epoch_end",
-    "validation_start",
-    "validation_end",
-    "train_end",
+LOOP_EVENTS = tuple(
+    name for name in EVENTS if name not in ("save_checkpoint", "load_checkpoint", "exception")
 )
+"""The events of the training loop itself (the no-op listeners subscribe to each)."""
 LISTENER_COUNTS = (0, 1, 10, 100)
 SKIP = 2
 """Steps at the start of every run left out of the per-step time (warm caches after setup)."""
@@ -600,6 +594,18 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         )
 
 
+def _section(
+    title: str, subtitle: str, header: list[str], rows: list[list[str]], notes: list[str]
+) -> list[str]:
+    """Print a titled table and its notes; return them as markdown lines."""
+    print(f"\n{title}{subtitle}")
+    _print_table(header, rows)
+    for note in notes:
+        print(note)
+    lines = [f"**{title}**", "", *_markdown_table(header, rows), ""]
+    return lines + ([*[f"- {note}" for note in notes], ""] if notes else [])
+
+
 def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = [
         "| " + " | ".join(header) + " |",
@@ -699,24 +705,15 @@ def main(argv: list[str] | None = None) -> None:
         ]
     (header, *rows), notes = dispatch_costs()
     title = "event dispatch alone: trainer.events.batch_end.send(...), best of 7 x 2000 sends"
-    print(f"\n{title}")
-    _print_table(header, rows)
-    for note in notes:
-        print(note)
-    markdown += [f"**{title}**", "", *_markdown_table(header, rows), ""]
-    markdown += [*[f"- {note}" for note in notes], ""]
+    markdown += _section(title, "", header, rows, notes)
 
     for label, case in zip("ab", CASES):
         variants, optimizer = loop_variants(case, steps, peers)
         timings = measure(variants, optimizer, rounds, args.quantile)
         rows, notes = loop_table(timings)
         title = f"({label}) training loop, {case.name}"
-        print(f"\n{title}: µs per step (ratios against the bare loops of this run)")
-        _print_table(LOOP_HEADER, rows)
-        for note in notes:
-            print(note)
-        markdown += [f"**{title}**", "", *_markdown_table(LOOP_HEADER, rows), ""]
-        markdown += [*[f"- {note}" for note in notes], ""]
+        subtitle = ": µs per step (ratios against the bare loops of this run)"
+        markdown += _section(title, subtitle, LOOP_HEADER, rows, notes)
 
     for label, case in zip("cd", CASES):
         variants, optimizer, failed = replay_variants(case, replay_steps, avalanche)
@@ -752,9 +749,7 @@ def main(argv: list[str] | None = None) -> None:
         "in its second form, a hand-written reservoir update. See `benchmarks/README.md`.",
         "",
     ]
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text("\n".join(markdown), encoding="utf-8")
-    print(f"wrote {args.markdown}")
+    write_page(args.markdown, markdown)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import statistics
 import time
 
 import torch
-from _report import command_line, page_header
+from _report import command_line, page_header, write_page
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.memory import DataBuffer, ReservoirBuffer, SlidingWindowBuffer
@@ -268,9 +268,7 @@ def main() -> None:
             "```",
             "",
         ]
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n".join(text), encoding="utf-8")
-        print(f"wrote {args.markdown}")
+        write_page(args.markdown, text)
 
 
 if __name__ == "__main__":
