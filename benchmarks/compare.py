@@ -743,10 +743,12 @@ def main(argv: list[str] | None = None) -> None:
         "is in the fast steps too), a variant's the median over the rounds, and a ratio the "
         "median over the rounds of the ratio within a round. The ER learner runs one forward "
         "pass over the new and the memory batch "
-        'concatenated (`memory_forward="auto"`), computes its loss and the memory loss '
-        "separately, normalises them by their weights, and updates its reservoir (with the "
-        "logits) every step; the bare replay loop runs one cross-entropy over both batches and, "
-        "in its second form, a hand-written reservoir update. See `benchmarks/README.md`.",
+        'concatenated (`memory_forward="auto"`), one cross-entropy over both (weighted as '
+        "Renate's normalised sum of the new-data and memory losses; with ER's defaults the plain "
+        "mean), draws its memory batch without replacement and updates its reservoir (with the "
+        "logits) every step; the bare replay loop runs one cross-entropy over both batches, "
+        "draws with replacement and, in its second form, does a hand-written reservoir update. "
+        "See `benchmarks/README.md`.",
         "",
     ]
     write_page(args.markdown, markdown)

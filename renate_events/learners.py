@@ -13,7 +13,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -92,6 +92,20 @@ def _mean(loss: torch.Tensor) -> torch.Tensor:
 def _scaled(loss: torch.Tensor, factor: float) -> torch.Tensor:
     """``loss * factor``, without an operation when the factor is 1."""
     return loss if factor == 1 else loss * factor
+
+
+def _split_at(
+    n: int, outputs: torch.Tensor, features: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Split outputs and features of a pass over ``[new; memory]`` after the first ``n`` rows.
+
+    ``split`` is one autograd node that stacks the two gradients (two slices would each allocate
+    a zero gradient of the whole batch).
+    """
+    sizes = [n, len(outputs) - n]
+    new, memory = outputs.split(sizes)
+    parts = [feature.split(sizes) for feature in features]
+    return new, memory, [p[0] for p in parts], [p[1] for p in parts]
 
 
 def _stackable(inputs: torch.Tensor, inputs_memory: Any) -> bool:
@@ -252,7 +266,14 @@ class BaseExperienceReplayLearner:
             capacity limits) are not detected: pass ``"separate"`` for such models. For a
             model whose samples do not interact the losses are the same either way (up to
             floating-point rounding); dropout draws differ. Memory batches of later components with
-            ``sample_new_memory_batch`` always get a pass of their own.
+            ``sample_new_memory_batch`` always get a pass of their own. When the only component
+            is a plain ``WeightedCustomLossComponent`` and it and ``loss_fn`` are both
+            ``torch.nn.functional.cross_entropy`` (``ExperienceReplayLearner``'s defaults,
+            without ``mask_unused_classes``), the one pass is followed by one cross-entropy
+            over both batches, each sample weighted so that the value is the weighted,
+            normalised sum of the two means (the same value up to rounding); class labels are then
+            expected in ``0..K-1`` (as ``fit`` checks for datasets) or as probabilities: a label
+            equal to ``cross_entropy``'s ``ignore_index`` would shift the weights of the means.
 
     Example:
         >>> import torch
@@ -313,6 +334,9 @@ class BaseExperienceReplayLearner:
     _new_batch_size: int = attrs.field(init=False, default=0)
     _batch_checked: bool = attrs.field(init=False, default=False)
     _concatenate: bool = attrs.field(init=False, default=False)
+    _fused: WeightedCustomLossComponent | None = attrs.field(init=False, default=None)
+    _weights: torch.Tensor | None = attrs.field(init=False, default=None)
+    _weights_key: tuple[Any, ...] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if not self.components:
@@ -477,6 +501,19 @@ class BaseExperienceReplayLearner:
 
     def training_step(self, batch: Any) -> dict[str, Any]:
         """Loss of one batch of new data plus the components' losses on memory batches."""
+        if self._batch_checked or self.buffer is None:
+            return self._step(batch)
+        # The first step of an update may refuse its batch after drawing a memory batch: put the
+        # buffer's sampling generator back then, so that a refused fit leaves no trace.
+        sampling = self.buffer._sample_generator
+        state = sampling.get_state()
+        try:
+            return self._step(batch)
+        except BaseException:
+            sampling.set_state(state)
+            raise
+
+    def _step(self, batch: Any) -> dict[str, Any]:
         inputs, targets = _unpack(batch)
         # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
         # gradients are averaged over the ranks while the backward pass runs.
@@ -489,10 +526,13 @@ class BaseExperienceReplayLearner:
         if replay and self._concatenate and isinstance(inputs, torch.Tensor):
             # One pass over [new; memory]: the first memory batch rides along with the new one
             # (when the two stack; a mismatch is left to the separate path and its checks).
-            batch_memory = _to_device(buffer.sample(self._memory_batch()), inputs.device)  # type: ignore[union-attr]
+            batch_memory = self._sample_memory(inputs.device)
             if _stackable(inputs, batch_memory[0][0]):
-                outputs, outputs_memory, features, features_memory = self._concatenated_forward(
-                    net, inputs, batch_memory[0][0]
+                both, features_both = self._concatenated_forward(net, inputs, batch_memory[0][0])
+                if self._fused is not None:
+                    return self._fused_step(inputs, targets, both, batch_memory, self._fused)
+                outputs, outputs_memory, features, features_memory = _split_at(
+                    len(inputs), both, features_both
                 )
         if outputs_memory is None:
             outputs = forward(net, inputs)
@@ -500,20 +540,14 @@ class BaseExperienceReplayLearner:
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
-        if not self._batch_checked:  # once per update: fail before any parameter changes
-            if buffer is not None and not isinstance(self, JointLearner):
-                buffer.check_batch(inputs, targets, self._metadata(outputs, features))
-            self._batch_checked = True
+        self._check_first_batch(inputs, targets, outputs, features)
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:
             total_weight = self.loss_weight
             for i, component in enumerate(self.components.values()):
                 if i == 0 or component.sample_new_memory_batch:
                     if i > 0 or batch_memory is None:
-                        batch_memory = _to_device(
-                            buffer.sample(self._memory_batch()),  # type: ignore[union-attr]
-                            outputs.device,
-                        )
+                        batch_memory = self._sample_memory(outputs.device)
                     if i > 0 or outputs_memory is None:
                         outputs_memory = forward(net, batch_memory[0][0])
                         features_memory = self._features()
@@ -528,10 +562,31 @@ class BaseExperienceReplayLearner:
             "features": [f.detach() for f in features],
         }
 
+    def _sample_memory(self, device: torch.device) -> Any:
+        """A memory batch on ``device`` (the model's)."""
+        buffer = cast(DataBuffer, self.buffer)
+        batch = buffer.sample(self._memory_batch())
+        return batch if buffer.device == device else _to_device(batch, device)
+
+    def _check_first_batch(
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        outputs: torch.Tensor,
+        features: Sequence[torch.Tensor],
+    ) -> None:
+        """Once per update, before anything trains: the batch must fit the buffer's storage."""
+        if self._batch_checked:
+            return
+        if self.buffer is not None and not isinstance(self, JointLearner):
+            self.buffer.check_batch(inputs, targets, self._metadata(outputs, features))
+        self._batch_checked = True
+
     def _concatenated_forward(
         self, net: nn.Module, inputs: torch.Tensor, inputs_memory: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Forward ``[inputs; inputs_memory]`` once and split outputs and features at the seam."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Forward ``[inputs; inputs_memory]`` once; check that outputs and features can be split
+        at the seam (the batch is their first dimension)."""
         n, total = inputs.shape[0], inputs.shape[0] + inputs_memory.shape[0]
         outputs = forward(net, torch.cat([inputs, inputs_memory]))
         features = self._features()
@@ -546,12 +601,71 @@ class BaseExperienceReplayLearner:
                     f"{total}, but it has shape {shape}: the batch must be its first dimension. "
                     "Use memory_forward='separate' for this model"
                 )
-        # split: one autograd node that stacks the two gradients (two slices would each
-        # allocate a zero gradient of the whole batch).
-        sizes = [n, total - n]
-        outputs, outputs_memory = outputs.split(sizes)
-        parts = [feature.split(sizes) for feature in features]
-        return outputs, outputs_memory, [p[0] for p in parts], [p[1] for p in parts]
+        return outputs, features
+
+    def _fused_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        both: torch.Tensor,
+        batch_memory: Any,
+        component: WeightedCustomLossComponent,
+    ) -> dict[str, Any]:
+        """The step's loss as one cross-entropy over ``[new; memory]`` (see :meth:`_fusable`).
+
+        ``(w * mean(CE_new) + w_c * mean(CE_memory)) / (w + w_c)`` is a weighted sum of
+        per-sample cross-entropies: with equal weights per sample (equal loss weights and batch
+        sizes, the default) it is ``CE(both).mean()`` exactly, otherwise ``CE(both, reduction=
+        "none")`` weighted. Same value up to rounding as the component's own loss, with one
+        cross-entropy and no split in the backward pass.
+        """
+        n, m = len(inputs), len(both) - len(inputs)
+        outputs, outputs_memory = both.detach().split([n, m])
+        self._check_first_batch(inputs, targets, outputs, [])
+        self._ema_update(batch_memory, outputs_memory)
+        (_, targets_memory), _ = batch_memory
+        weight, weight_memory = self.loss_weight, component.weight
+        total = weight + weight_memory
+        scale = total if self.loss_normalization and total > 0 else 1.0
+        per_new, per_memory = weight / (n * scale), weight_memory / (m * scale)
+        all_targets = torch.cat([targets, targets_memory])
+        if per_new == per_memory:
+            loss = _scaled(F.cross_entropy(both, all_targets), per_new * (n + m))
+        else:
+            per_sample = F.cross_entropy(both, all_targets, reduction="none")
+            loss = (per_sample * self._sample_weights(n, m, per_new, per_memory, both)).sum()
+        return {"loss": loss, "logits": outputs, "features": []}
+
+    def _sample_weights(
+        self, n: int, m: int, per_new: float, per_memory: float, like: torch.Tensor
+    ) -> torch.Tensor:
+        """``[per_new] * n + [per_memory] * m`` as a tensor like ``like`` (kept between steps)."""
+        key = (n, m, per_new, per_memory, like.device, like.dtype)
+        if self._weights_key != key:
+            weights = torch.full((n + m,), per_memory, dtype=like.dtype, device=like.device)
+            weights[:n] = per_new
+            self._weights, self._weights_key = weights, key
+        return cast(torch.Tensor, self._weights)
+
+    def _fusable(self) -> WeightedCustomLossComponent | None:
+        """The single component whose loss :meth:`_fused_step` computes, if the step allows it.
+
+        That is: one pass over new and memory batch, no class masking, and exactly one component,
+        a ``WeightedCustomLossComponent`` itself (not a subclass, whose loss may differ) applying
+        the learner's loss function, both ``torch.nn.functional.cross_entropy`` (a mean of
+        per-sample terms: ``ExperienceReplayLearner``'s defaults).
+        """
+        components = list(self.components.values())
+        if not self._concatenate or self.mask_unused_classes or len(components) != 1:
+            return None
+        component = components[0]
+        if (
+            type(component) is WeightedCustomLossComponent
+            and component.loss_fn is F.cross_entropy
+            and self.loss_fn is F.cross_entropy
+        ):
+            return component
+        return None
 
     def _ema_update(self, batch_memory: Any, outputs_memory: torch.Tensor) -> None:
         """Move the stored logits of a freshly forwarded memory batch towards the current ones."""
@@ -603,6 +717,7 @@ class BaseExperienceReplayLearner:
             and not self.feature_modules
             and _samples_independent(self.model)
         )
+        self._fused = self._fusable()
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
@@ -615,7 +730,12 @@ class BaseExperienceReplayLearner:
     def _metadata(
         logits: torch.Tensor, features: Sequence[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        metadata = {"logits": logits.detach().float()}  # full precision under bf16/16-mixed
+        # detach() and float() dispatch even on a tensor they would return as it is.
+        if logits.requires_grad:
+            logits = logits.detach()
+        if logits.dtype != torch.float32:
+            logits = logits.float()  # full precision under bf16/16-mixed
+        metadata = {"logits": logits}
         for i, feature in enumerate(features):
             metadata[f"intermediate_representation_{i}"] = feature.detach()
         return metadata

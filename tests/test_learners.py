@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from renate_events.components import (
     Component,
+    WeightedCustomLossComponent,
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
 )
@@ -406,9 +407,12 @@ def test_bad_input_is_refused_before_any_parameter_changes():
     )
     learner.fit(_data(n=16))  # the buffer now stores inputs of shape (6,)
     before = parameters_of(flat)
+    sampling = learner.buffer.state_dict()["sample_generator_state"]
     with pytest.raises(ValueError, match=r"inputs.*\(6,\).*\(3, 2\)"):
         learner.fit(TensorDataset(torch.randn(8, 3, 2), torch.randint(0, 4, (8,))))
     assert_same_tensors(before, parameters_of(flat))
+    # The refused step had drawn a memory batch: the sampling generator is put back.
+    assert torch.equal(learner.buffer.state_dict()["sample_generator_state"], sampling)
     with pytest.raises(ValueError, match="memory_batch_size=32 is larger than memory_size=10"):
         ExperienceReplayLearner(model=_model(), memory_size=10)
 
@@ -520,3 +524,102 @@ def test_a_feature_without_the_batch_first_is_refused_before_training():
 def test_memory_forward_is_validated():
     with pytest.raises(ValueError, match="memory_forward"):
         ExperienceReplayLearner(model=_model(), trainer=Trainer(device="cpu"), memory_forward="x")
+
+
+# -- ExperienceReplayLearner's loss as one cross-entropy --------------------------------------
+
+
+def _count_component_losses(monkeypatch):
+    calls = []
+    loss = WeightedCustomLossComponent.loss
+
+    def counting(self, *args):
+        calls.append(1)
+        return loss(self, *args)
+
+    monkeypatch.setattr(WeightedCustomLossComponent, "loss", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("options", "soft"),
+    [
+        ({}, False),  # Renate's defaults: equal weights, equal batches, one mean
+        ({"alpha": 0.3, "loss_weight": 2.0}, False),
+        ({"memory_batch_size": 4}, False),
+        ({"batch_size": 10, "batch_memory_frac": 0.3}, False),
+        ({"alpha": 0.5, "loss_normalization": False}, False),
+        ({"alpha": 0.0}, False),
+        ({"ema_memory_update_gamma": 0.5}, False),
+        ({"alpha": 2.0}, True),  # probability targets
+    ],
+    ids=[
+        "defaults",
+        "weights",
+        "memory-batch",
+        "frac",
+        "no-normalization",
+        "alpha-0",
+        "ema",
+        "soft",
+    ],
+)
+def test_er_cross_entropy_over_both_batches_matches_the_components_loss(monkeypatch, options, soft):
+    """With one pass over [new; memory], ExperienceReplayLearner computes its loss as one
+    (weighted) cross-entropy; losses, parameters and stored logits are those of the component
+    path up to rounding, and the component's loss() is not called."""
+    calls = _count_component_losses(monkeypatch)
+    results, counted = {}, {}
+    for mode in ("separate", "concatenated"):
+        calls.clear()
+        learner = ExperienceReplayLearner(
+            model=_model(),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            **{"memory_size": 24, "memory_batch_size": 8, "batch_size": 8, **options},
+            trainer=Trainer(max_epochs=2, device="cpu"),
+            memory_forward=mode,
+        )
+        losses = _record_losses(learner.trainer)
+        for seed in (0, 1):
+            data = _data(n=48, seed=seed)
+            if soft:
+                targets = torch.softmax(torch.randn(48, 4, generator=torch.Generator()), -1)
+                data = TensorDataset(data.tensors[0], targets)
+            learner.fit(data)
+        stored = learner.buffer.sample(24)[1]["logits"]
+        results[mode] = (losses, parameters_of(learner.model), stored)
+        counted[mode] = len(calls)
+    (losses_a, params_a, stored_a), (losses_b, params_b, stored_b) = results.values()
+    assert counted["separate"] > 0 and counted["concatenated"] == 0
+    assert len(losses_a) == len(losses_b) > 0
+    assert losses_b == pytest.approx(losses_a, rel=1e-5, abs=1e-6)
+    for name in params_a:
+        torch.testing.assert_close(params_b[name], params_a[name], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stored_b, stored_a, rtol=1e-4, atol=1e-5)
+
+
+@attrs.define(eq=False)
+class HalvedLoss(WeightedCustomLossComponent):
+    def _component_loss(self, outputs_memory, batch_memory, intermediate_representation_memory):
+        return super()._component_loss(outputs_memory, batch_memory, None) / 2
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"components": {"memory_loss": HalvedLoss(torch.nn.functional.cross_entropy)}},
+        {"loss_fn": lambda outputs, targets: torch.nn.functional.cross_entropy(outputs, targets)},
+        {"mask_unused_classes": True},
+        {"memory_forward": "separate"},
+    ],
+    ids=["component-subclass", "other-loss-fn", "masked", "separate"],
+)
+def test_the_component_computes_the_loss_unless_it_is_plain_cross_entropy(monkeypatch, options):
+    calls = _count_component_losses(monkeypatch)
+    learner = ExperienceReplayLearner(
+        model=_model(),
+        **{"memory_size": 16, "memory_batch_size": 4, "batch_size": 8, **options},
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    learner.fit(_data(n=32))
+    assert len(calls) == 3  # every step once the buffer holds a memory batch

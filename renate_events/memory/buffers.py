@@ -165,8 +165,11 @@ def _last_occurrences(slots: torch.Tensor) -> torch.Tensor | None:
     Returns ``None`` when the values are all distinct (the common case), so callers skip the
     selection.
     """
-    if slots.numel() <= 1:
+    count = slots.numel()
+    if count <= 1:
         return None
+    if slots.device.type == "cpu" and len(set(slots.tolist())) == count:
+        return None  # a set of the values: ~1 µs against ~9 for the sort and compare below
     sorted_slots, order = torch.sort(slots, stable=True)
     differs = sorted_slots[1:] != sorted_slots[:-1]
     if bool(differs.all()):
@@ -757,13 +760,18 @@ class DataBuffer(abc.ABC):
         whole_batch = positions.numel() == batch_size  # positions are then 0 .. batch_size - 1
         moved_positions: dict[torch.device, torch.Tensor] = {}
         for stored, source in zip(self._storage(), sources):
-            source = source.detach()
+            # detach() and to() are dispatcher calls even when they return the tensor as it is;
+            # this runs for every stored tensor on every update.
+            if source.requires_grad:
+                source = source.detach()
             if not whole_batch:
                 pos = moved_positions.get(source.device)
                 if pos is None:
                     pos = moved_positions[source.device] = _indices_to(positions, source.device)
                 source = source.index_select(0, pos)
-            stored.index_copy_(0, device_slots, source.to(stored.device))
+            if source.device != stored.device:
+                source = source.to(stored.device)
+            stored.index_copy_(0, device_slots, source)
 
     def _parse_state(self, state: Any) -> _ParsedState:
         if not isinstance(state, Mapping):
