@@ -267,13 +267,14 @@ class BaseExperienceReplayLearner:
             model whose samples do not interact the losses are the same either way (up to
             floating-point rounding); dropout draws differ. Memory batches of later components with
             ``sample_new_memory_batch`` always get a pass of their own. When the only component
-            is a plain ``WeightedCustomLossComponent`` and it and ``loss_fn`` are both
-            ``torch.nn.functional.cross_entropy`` (``ExperienceReplayLearner``'s defaults,
-            without ``mask_unused_classes``), the one pass is followed by one cross-entropy
-            over both batches, each sample weighted so that the value is the weighted,
-            normalised sum of the two means (the same value up to rounding); class labels are then
-            expected in ``0..K-1`` (as ``fit`` checks for datasets) or as probabilities: a label
-            equal to ``cross_entropy``'s ``ignore_index`` would shift the weights of the means.
+            is a plain ``WeightedCustomLossComponent`` with a positive weight, it and ``loss_fn``
+            are both ``torch.nn.functional.cross_entropy`` (``ExperienceReplayLearner``'s
+            defaults, without ``mask_unused_classes`` or ``feature_modules``) and the outputs
+            are ``(N, C)`` logits, the one pass is followed by one cross-entropy over both
+            batches, each sample weighted so that the value is the weighted, normalised sum of
+            the two means (the same value up to rounding); class labels are then expected in
+            ``0..K-1`` (as ``fit`` checks for datasets) or as probabilities: a label equal to
+            ``cross_entropy``'s ``ignore_index`` would shift the weights of the means.
 
     Example:
         >>> import torch
@@ -335,6 +336,7 @@ class BaseExperienceReplayLearner:
     _batch_checked: bool = attrs.field(init=False, default=False)
     _concatenate: bool = attrs.field(init=False, default=False)
     _fused: WeightedCustomLossComponent | None = attrs.field(init=False, default=None)
+    _samples_on_storage: bool = attrs.field(init=False, default=False)
     _weights: torch.Tensor | None = attrs.field(init=False, default=None)
     _weights_key: tuple[Any, ...] | None = attrs.field(init=False, default=None)
 
@@ -501,11 +503,11 @@ class BaseExperienceReplayLearner:
 
     def training_step(self, batch: Any) -> dict[str, Any]:
         """Loss of one batch of new data plus the components' losses on memory batches."""
-        if self._batch_checked or self.buffer is None:
+        sampling = None if self._batch_checked else getattr(self.buffer, "_sample_generator", None)
+        if sampling is None:
             return self._step(batch)
         # The first step of an update may refuse its batch after drawing a memory batch: put the
         # buffer's sampling generator back then, so that a refused fit leaves no trace.
-        sampling = self.buffer._sample_generator
         state = sampling.get_state()
         try:
             return self._step(batch)
@@ -514,6 +516,7 @@ class BaseExperienceReplayLearner:
             raise
 
     def _step(self, batch: Any) -> dict[str, Any]:
+        """The step itself (:meth:`training_step` guards the first one of an update)."""
         inputs, targets = _unpack(batch)
         # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
         # gradients are averaged over the ranks while the backward pass runs.
@@ -529,8 +532,9 @@ class BaseExperienceReplayLearner:
             batch_memory = self._sample_memory(inputs.device)
             if _stackable(inputs, batch_memory[0][0]):
                 both, features_both = self._concatenated_forward(net, inputs, batch_memory[0][0])
-                if self._fused is not None:
-                    return self._fused_step(inputs, targets, both, batch_memory, self._fused)
+                fused = self._fused
+                if fused is not None and fused.weight > 0 and both.dim() == 2 and len(inputs):
+                    return self._fused_step(inputs, targets, both, batch_memory, fused)
                 outputs, outputs_memory, features, features_memory = _split_at(
                     len(inputs), both, features_both
                 )
@@ -566,7 +570,9 @@ class BaseExperienceReplayLearner:
         """A memory batch on ``device`` (the model's)."""
         buffer = cast(DataBuffer, self.buffer)
         batch = buffer.sample(self._memory_batch())
-        return batch if buffer.device == device else _to_device(batch, device)
+        if self._samples_on_storage and buffer.device == device:
+            return batch  # DataBuffer.sample returns tensors on the storage's device
+        return _to_device(batch, device)
 
     def _check_first_batch(
         self,
@@ -617,7 +623,9 @@ class BaseExperienceReplayLearner:
         per-sample cross-entropies: with equal weights per sample (equal loss weights and batch
         sizes, the default) it is ``CE(both).mean()`` exactly, otherwise ``CE(both, reduction=
         "none")`` weighted. Same value up to rounding as the component's own loss, with one
-        cross-entropy and no split in the backward pass.
+        cross-entropy and no split in the backward pass. Taken for outputs of shape ``(N, C)``, a
+        non-empty new batch and a positive component weight (a zero weight skips the memory
+        cross-entropy altogether on the component's path, which a weighted sum cannot).
         """
         n, m = len(inputs), len(both) - len(inputs)
         outputs, outputs_memory = both.detach().split([n, m])
@@ -633,13 +641,14 @@ class BaseExperienceReplayLearner:
             loss = _scaled(F.cross_entropy(both, all_targets), per_new * (n + m))
         else:
             per_sample = F.cross_entropy(both, all_targets, reduction="none")
-            loss = (per_sample * self._sample_weights(n, m, per_new, per_memory, both)).sum()
+            loss = (per_sample * self._sample_weights(n, m, per_new, per_memory, per_sample)).sum()
         return {"loss": loss, "logits": outputs, "features": []}
 
     def _sample_weights(
         self, n: int, m: int, per_new: float, per_memory: float, like: torch.Tensor
     ) -> torch.Tensor:
-        """``[per_new] * n + [per_memory] * m`` as a tensor like ``like`` (kept between steps)."""
+        """``[per_new] * n + [per_memory] * m`` as a tensor like ``like`` (kept between steps;
+        ``like`` is the per-sample loss, in float32 under mixed precision too)."""
         key = (n, m, per_new, per_memory, like.device, like.dtype)
         if self._weights_key != key:
             weights = torch.full((n + m,), per_memory, dtype=like.dtype, device=like.device)
@@ -650,13 +659,19 @@ class BaseExperienceReplayLearner:
     def _fusable(self) -> WeightedCustomLossComponent | None:
         """The single component whose loss :meth:`_fused_step` computes, if the step allows it.
 
-        That is: one pass over new and memory batch, no class masking, and exactly one component,
-        a ``WeightedCustomLossComponent`` itself (not a subclass, whose loss may differ) applying
-        the learner's loss function, both ``torch.nn.functional.cross_entropy`` (a mean of
-        per-sample terms: ``ExperienceReplayLearner``'s defaults).
+        That is: one pass over new and memory batch, no class masking, no recorded features, and
+        exactly one component, a ``WeightedCustomLossComponent`` itself (not a subclass, whose
+        loss may differ) applying the learner's loss function, both
+        ``torch.nn.functional.cross_entropy`` (a mean of per-sample terms:
+        ``ExperienceReplayLearner``'s defaults). The step checks the rest (see :meth:`_step`).
         """
         components = list(self.components.values())
-        if not self._concatenate or self.mask_unused_classes or len(components) != 1:
+        if (
+            not self._concatenate
+            or self.mask_unused_classes
+            or self.feature_modules
+            or len(components) != 1
+        ):
             return None
         component = components[0]
         if (
@@ -718,6 +733,9 @@ class BaseExperienceReplayLearner:
             and _samples_independent(self.model)
         )
         self._fused = self._fusable()
+        self._samples_on_storage = (
+            isinstance(self.buffer, DataBuffer) and type(self.buffer).sample is DataBuffer.sample
+        )
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""

@@ -549,7 +549,7 @@ def _count_component_losses(monkeypatch):
         ({"memory_batch_size": 4}, False),
         ({"batch_size": 10, "batch_memory_frac": 0.3}, False),
         ({"alpha": 0.5, "loss_normalization": False}, False),
-        ({"alpha": 0.0}, False),
+        ({"loss_weight": 0.0}, False),
         ({"ema_memory_update_gamma": 0.5}, False),
         ({"alpha": 2.0}, True),  # probability targets
     ],
@@ -559,7 +559,7 @@ def _count_component_losses(monkeypatch):
         "memory-batch",
         "frac",
         "no-normalization",
-        "alpha-0",
+        "new-0",
         "ema",
         "soft",
     ],
@@ -611,8 +611,10 @@ class HalvedLoss(WeightedCustomLossComponent):
         {"loss_fn": lambda outputs, targets: torch.nn.functional.cross_entropy(outputs, targets)},
         {"mask_unused_classes": True},
         {"memory_forward": "separate"},
+        {"alpha": 0.0},  # the component returns a zero without computing a cross-entropy
+        {"memory_forward": "concatenated", "feature_modules": ["1"]},
     ],
-    ids=["component-subclass", "other-loss-fn", "masked", "separate"],
+    ids=["component-subclass", "other-loss-fn", "masked", "separate", "alpha-0", "features"],
 )
 def test_the_component_computes_the_loss_unless_it_is_plain_cross_entropy(monkeypatch, options):
     calls = _count_component_losses(monkeypatch)
@@ -623,3 +625,42 @@ def test_the_component_computes_the_loss_unless_it_is_plain_cross_entropy(monkey
     )
     learner.fit(_data(n=32))
     assert len(calls) == 3  # every step once the buffer holds a memory batch
+    (_, _), metadata = learner.buffer.sample(4)
+    recorded = [f"intermediate_representation_{i}" for i in range(len(learner.feature_modules))]
+    assert sorted(metadata) == sorted(["idx", "logits", *recorded])
+
+
+class PerPosition(torch.nn.Module):
+    """Logits per position: inputs (N, L, 6) -> outputs (N, 4, L), as cross_entropy takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.linear(x).transpose(1, 2)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_outputs_with_more_dimensions_keep_the_components_loss(monkeypatch, alpha):
+    """(N, C, L) outputs: cross_entropy also averages over positions, which per-sample weights
+    would not; such steps go through the component (the losses of two passes)."""
+    calls = _count_component_losses(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5, 6, generator=generator), torch.randint(0, 4, (32, 5)))
+    losses = {}
+    for mode in ("separate", "concatenated"):
+        torch.manual_seed(0)
+        learner = ExperienceReplayLearner(
+            model=PerPosition(),
+            alpha=alpha,
+            memory_size=16,
+            memory_batch_size=4,
+            batch_size=8,
+            trainer=Trainer(max_epochs=1, device="cpu"),
+            memory_forward=mode,
+        )
+        losses[mode] = _record_losses(learner.trainer)
+        learner.fit(data)
+    assert len(calls) == 6
+    assert losses["concatenated"] == pytest.approx(losses["separate"], rel=1e-5, abs=1e-6)
