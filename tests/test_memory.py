@@ -327,6 +327,41 @@ def test_draw_distinct(n: int, k: int, seed: int) -> None:
     assert bool((idx >= 0).all()) and bool((idx < n).all())
 
 
+@pytest.mark.parametrize(
+    ("first", "factor"),
+    [(1, 64), (10**9, 64), (1, 1)],
+    ids=["draws-first", "permutation", "redraw"],
+)
+def test_draw_distinct_is_uniform_over_ordered_tuples(monkeypatch, first, factor):
+    """Chi-square over all ordered tuples of 3 distinct values of 12: exact for draws accepted
+    when distinct mixed with the permutation fallback, for the permutation alone, and for the
+    redraw of repeats (the regime of n > 64 k, forced here on a small n)."""
+    import renate_events.memory.buffers as buffers
+
+    monkeypatch.setattr(buffers, "_DRAWS_FIRST", first)
+    monkeypatch.setattr(buffers, "_PERMUTATION_FACTOR", factor)
+    n, k = 12, 3
+    generator = torch.Generator().manual_seed(11)
+    counts: dict[tuple[int, ...], int] = {}
+    draws = 60_000
+    for _ in range(draws):
+        key = tuple(_draw_distinct(n, k, generator).tolist())
+        counts[key] = counts.get(key, 0) + 1
+    cells = math.perm(n, k)
+    assert all(len(set(key)) == k and max(key) < n for key in counts)
+    expected = draws / cells
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    chi2 += (cells - len(counts)) * expected  # tuples never drawn
+    assert chi2 < chi2_critical(cells - 1, 1e-4), chi2
+    # Each position alone is uniform over the n values (a sharper test of small biases).
+    for position in range(k):
+        per_value = [0] * n
+        for key, count in counts.items():
+            per_value[key[position]] += count
+        chi2 = sum((c - draws / n) ** 2 / (draws / n) for c in per_value)
+        assert chi2 < chi2_critical(n - 1, 1e-4), (position, per_value)
+
+
 # ------------------------------------------------------------------------------------ state dicts
 
 
