@@ -55,3 +55,19 @@ def test_checkpoint_io_writes_its_page(tmp_path):
     text = page.read_text(encoding="utf-8")
     assert "| Trainer.save_checkpoint |" in text and "| Trainer.load_checkpoint |" in text
     assert "ratios against torch.save" in text
+
+
+def test_gpu_check_dry_run_runs_every_section():
+    """No session has had a GPU to run ``gpu_check.py`` on: its CPU dry run keeps the script's
+    code paths (loops, replay, sync census) from breaking unnoticed."""
+    out = _run("gpu_check.py", "--cpu-dry-run", "--steps", "4", "--rounds", "1")
+    for line in (
+        "(1) training loop",
+        "precision bf16-mixed",
+        "(2) replay step",
+        "ExperienceReplayLearner, GPU buffer",
+        "(3) sync check",
+        "canary: Trainer with the default nonfinite_loss='raise'",
+    ):
+        assert line in out, line
+    assert "Traceback" not in out
