@@ -131,18 +131,20 @@ def _check_device(instance: Any, attribute: attrs.Attribute, value: torch.device
 
 
 _PERMUTATION_FACTOR = 64
-""":func:`_draw_distinct` cuts a permutation when ``n <= _PERMUTATION_FACTOR * k``."""
+""":func:`_draw_distinct` falls back to a cut permutation (not to redrawing repeats) when
+``n <= _PERMUTATION_FACTOR * k``."""
 _DRAWS_FIRST = 1024
-"""... but from this ``n`` on tries ``k`` draws with replacement first (when ``k * k < n``): a
-permutation of fewer values costs about as much as drawing and checking (~4 µs on a CPU)."""
+""":func:`_draw_distinct` tries ``k`` draws with replacement first from this ``n`` on, even when
+``n <= _PERMUTATION_FACTOR * k`` (if ``k * k < n``): below it a permutation costs about as much as
+drawing and checking (~4 µs on a CPU)."""
 
 
 def _draw_distinct(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """Draw ``min(k, n)`` distinct indices uniformly from ``[0, n)`` in ``O(k)`` expected time.
 
-    ``k`` indices are first drawn with replacement, unless ``n <= 64 k`` and collisions are likely
-    (``k * k >= n``) or a permutation is cheap (``n < 1024``); when they are distinct they are the
-    sample. Conditioned on being
+    ``k`` indices are first drawn with replacement, unless ``n <= 64 k`` and either collisions
+    are likely (``k * k >= n``: probability ``>= 1 - e**-0.5``, about 40 %) or a permutation is
+    cheap (``n < 1024``). When they are distinct they are the sample: conditioned on being
     distinct, ``k`` uniform draws are uniform over the ordered tuples of distinct values, so
     accepting them is exact. Otherwise, when ``n <= 64 k``, a permutation of ``[0, n)`` is cut
     (``O(n) = O(k)``; also uniform over those tuples, so the mixture of the two stays exact); when
@@ -154,7 +156,7 @@ def _draw_distinct(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """
     k = min(k, n)
     permute = n <= _PERMUTATION_FACTOR * k
-    if permute and (k * k >= n or n < _DRAWS_FIRST):  # k draws collide with probability >= ~40 %
+    if permute and (k * k >= n or n < _DRAWS_FIRST):
         return torch.randperm(n, generator=generator)[:k]
     idx = torch.randint(0, n, (k,), generator=generator)
     if k == 1 or len(set(idx.tolist())) == k:
@@ -473,9 +475,10 @@ class DataBuffer(abc.ABC):
         """Draw a uniform random batch from the buffer, without replacement.
 
         Draws ``min(batch_size, len(self))`` distinct slots in ``O(batch_size)`` expected time
-        with the buffer's sampling generator: uniform draws, accepted when distinct; else a cut
-        permutation when the buffer holds at most ``64 * batch_size`` samples, or the repeats
-        redrawn (see :func:`_draw_distinct`; never an ``O(max_size)`` permutation).
+        with the buffer's sampling generator: a cut permutation when the buffer is small (at most
+        ``64 * batch_size`` samples, and under 1024 or at most ``batch_size**2``), else uniform
+        draws kept when distinct, with a cut permutation or the repeats redrawn when not (see
+        :func:`_draw_distinct`; never an ``O(max_size)`` permutation).
 
         Args:
             batch_size: How many samples to draw, an int >= 1.
