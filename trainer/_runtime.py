@@ -29,30 +29,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         ) from exc
 
 
-def make_mover(device: torch.device) -> Callable[[Any], Any]:
-    """A function that moves nested tuples, lists and dicts of tensors to ``device``.
-
-    On CUDA, tensors in pinned memory are copied with ``non_blocking=True``.
-    """
-    cuda = device.type == "cuda"
-
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.device == device:
-                return value
-            return value.to(device, non_blocking=cuda and value.is_pinned())
-        if isinstance(value, (list, tuple)):
-            moved = [move(item) for item in value]
-            if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-                return type(value)(*moved)
-            return type(value)(moved) if isinstance(value, tuple) else moved
-        if isinstance(value, Mapping):
-            return {key: move(item) for key, item in value.items()}
-        return value
-
-    return move
-
-
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
     """A zero-argument factory of the context manager that the step runs under."""
     if precision == "32":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import os
@@ -25,6 +26,7 @@ from trainer.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from trainer.data import to_device
 from trainer.events import EVENTS, Events
 from trainer.exceptions import (
     CheckpointFormatError,
@@ -364,7 +366,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
             if self.seed is not None:
                 _runtime.seed_everything(self.seed)
-        move = _runtime.make_mover(device)
+        move = functools.partial(to_device, device=device)
         autocast = _runtime.autocast_factory(self.precision, device)
         check_loss = self.nonfinite_loss != "off"
         distributed, accumulate = ctx.enabled, self.accumulate_grad_batches
