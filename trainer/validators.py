@@ -83,9 +83,7 @@ def is_int(value: Any) -> bool:
 
 def is_real(value: Any) -> bool:
     """True for finite real numbers (ints and floats), False for bools, NaN and infinities."""
-    return (
-        isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    )
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _int_text(low: int, high: int | None) -> str:
@@ -118,7 +116,9 @@ def int_at_least(low: int, high: int | None = None, *, optional: bool = False) -
             what = "a positive int" if (low, high) == (1, None) else _int_text(low, high)
             if not is_int(value) or value < low or (high is not None and value >= high):
                 error = ValueError if is_int(value) else WrongTypeError
-                raise error(f"{field_name(instance, attribute)} must be {what} or None, got {value!r}")
+                raise error(
+                    f"{field_name(instance, attribute)} must be {what} or None, got {value!r}"
+                )
             return
         check_int(field_name(instance, attribute), value, low, high)
 
