@@ -65,6 +65,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.exceptions import CheckpointError, CheckpointFormatError, CheckpointMismatchError
+from trainer.files import fsync_file, fsync_folder
 
 __all__ = [
     "FORMAT_NAME",
@@ -429,8 +430,7 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp (and save_file) leave 0600; use the usual mode
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
         if os.path.exists(tmp):
@@ -438,20 +438,7 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
         if isinstance(exc, (OSError, RuntimeError, ValueError)):
             raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
         raise
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+    fsync_folder(folder)
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
