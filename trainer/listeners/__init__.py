@@ -1,0 +1,36 @@
+"""Ready-made listeners.
+
+Each is an attrs class; subscribe an instance with ``trainer.subscribe(...)`` (the :class:`Timer`
+attaches itself with ``timer.attach(trainer)``, since it needs two places in the dispatch order).
+
+* :class:`ProgressBar`: a tqdm bar per epoch (needs ``tqdm``).
+* :class:`MetricsLogger`: training and validation scalars to a CSV or JSON-lines file.
+* :class:`TensorBoardLogger`: the same scalars to TensorBoard (needs ``tensorboard``).
+* :class:`ModelCheckpoint`: periodic, last and best checkpoints, keeping the last K.
+* :class:`EarlyStopping`: ends the fit when a validation metric stops improving.
+* :class:`LearningRateMonitor`: the learning rate of every parameter group, step by step.
+* :class:`Timer`: host wall time spent in the listeners of each event.
+
+The loggers read Python numbers from the device only every ``log_every_n_steps`` batches: in
+between they add the losses up on the device, so that they add no host synchronisation to the
+other steps. They keep no state in checkpoints, so they can be added to or removed from a run
+between a save and a resume; :class:`ModelCheckpoint` and :class:`EarlyStopping` do keep theirs.
+"""
+
+from trainer.listeners.early_stopping import EarlyStopping
+from trainer.listeners.lr_monitor import LearningRateMonitor
+from trainer.listeners.metrics_logger import MetricsLogger
+from trainer.listeners.model_checkpoint import ModelCheckpoint
+from trainer.listeners.progress import ProgressBar
+from trainer.listeners.tensorboard import TensorBoardLogger
+from trainer.listeners.timer import Timer
+
+__all__ = [
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "MetricsLogger",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoardLogger",
+    "Timer",
+]
