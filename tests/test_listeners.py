@@ -308,6 +308,34 @@ def test_model_checkpoint_keeps_the_last_k_and_links_last(tmp_path):
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
 
 
+def test_model_checkpoint_copies_last_and_syncs_the_copy_where_hard_links_fail(
+    tmp_path, monkeypatch
+):
+    import trainer.listeners.model_checkpoint as module
+
+    def no_links(source, target):
+        raise OSError("hard links not supported")
+
+    def record(path):  # what is flushed to disk, before it is renamed into place
+        with open(path, "rb") as handle:
+            synced.append((os.path.basename(path), handle.read()))
+
+    synced: list[tuple[str, bytes]] = []
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(module, "fsync_file", record)
+    trainer = Trainer(max_epochs=1, device="cpu")
+    checkpoint = ModelCheckpoint(tmp_path, every_n_epochs=1, keep_last=1)
+    trainer.subscribe(checkpoint)
+    _fit(trainer)
+    with open(checkpoint.kept[-1], "rb") as handle:
+        periodic = handle.read()
+    assert [(name.startswith(".last.safetensors."), data == periodic) for name, data in synced] == [
+        (True, True)
+    ]
+    assert not os.path.samefile(checkpoint.kept[-1], checkpoint.last_model_path)
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
 def test_model_checkpoint_never_deletes_before_the_new_file_is_written(tmp_path, monkeypatch):
     import trainer.trainer as trainer_module
 

@@ -1,4 +1,4 @@
-"""Helpers that several listeners share: argument checks, metric comparison, deferred actions."""
+"""Helpers that several listeners share: the metric to monitor, its comparison, deferred actions."""
 
 from __future__ import annotations
 
@@ -8,61 +8,16 @@ from typing import Any
 
 import attrs
 
+from trainer import validators
 
-def _int_at_least(minimum: int, *, optional: bool = False) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if optional and value is None:
-            return
-        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
-            return
-        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be {allowed}, got {value!r}"
-        )
+_METRIC_NAME = "a metric name such as 'val_loss'"
+"""How argument messages describe a ``monitor`` field."""
 
-    return check
-
-
-def _number_at_least(minimum: float) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value >= minimum
-        ):
-            return
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a finite number >= {minimum}, "
-            f"got {value!r}"
-        )
-
-    return check
-
-
-def _one_of(*allowed: str) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in allowed:
-            raise ValueError(
-                f"{type(instance).__name__}.{attribute.name} must be one of {list(allowed)}, "
-                f"got {value!r}"
-            )
-
-    return check
-
-
-def _metric_name(*, optional: bool = False) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if optional and value is None:
-            return
-        if isinstance(value, str) and value:
-            return
-        allowed = "a metric name such as 'val_loss'" + (" or None" if optional else "")
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be {allowed}, got {value!r}"
-        )
-
-    return check
+_INT_AT_LEAST_1_OR_NONE: Callable[[Any, attrs.Attribute[Any], Any], None] = (
+    attrs.validators.optional(validators.int_at_least(1))
+)
+"""A validator for an int >= 1 or None whose message says "an int >= 1" (the shared
+``int_at_least(1, optional=True)`` says "a positive int or None")."""
 
 
 def _improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:
@@ -75,6 +30,7 @@ def _improved(value: float, best: float | None, mode: str, min_delta: float) -> 
 
 
 def _monitored(owner: Any, monitor: str, metrics: Mapping[str, float]) -> float:
+    """The value of ``monitor`` among ``metrics``; when it is missing, an error listing them."""
     if monitor not in metrics:
         raise ValueError(
             f"{type(owner).__name__} monitors {monitor!r}, which is not among the validation "

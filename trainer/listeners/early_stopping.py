@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-from trainer.listeners._common import (
-    _improved,
-    _int_at_least,
-    _metric_name,
-    _monitored,
-    _number_at_least,
-    _one_of,
-)
+from trainer import validators
+from trainer.listeners._common import _METRIC_NAME, _improved, _monitored
 
 __all__ = ["EarlyStopping"]
+
+
+def _real_at_least(low: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """A validator for finite real numbers ``>= low``, in the words "a finite number >= low".
+
+    :func:`trainer.validators.real_in_range` checks the same but words the range as an interval
+    (``[0, inf)``); this keeps the ``>=`` that the message has always had, on the shared checks.
+    """
+    what = f"a finite number >= {low}"
+
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if validators.is_real(value) and value >= low:
+            return
+        wrong_type = not isinstance(value, numbers.Real) or isinstance(value, bool)
+        error = validators.WrongTypeError if wrong_type else ValueError
+        raise error(f"{validators.field_name(instance, attribute)} must be {what}, got {value!r}")
+
+    return validate
 
 
 @attrs.define(eq=False)
@@ -47,11 +60,13 @@ class EarlyStopping:
         'early_stopping_0'
     """
 
-    monitor: str = attrs.field(default="val_loss", validator=_metric_name())
-    mode: str = attrs.field(default="min", validator=_one_of("min", "max"))
-    patience: int = attrs.field(default=3, validator=_int_at_least(1))
-    min_delta: float = attrs.field(default=0.0, validator=_number_at_least(0.0))
-    check_finite: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    monitor: str = attrs.field(
+        default="val_loss", validator=validators.non_empty_string(_METRIC_NAME)
+    )
+    mode: str = attrs.field(default="min", validator=validators.one_of("min", "max"))
+    patience: int = attrs.field(default=3, validator=validators.int_at_least(1))
+    min_delta: float = attrs.field(default=0.0, validator=_real_at_least(0.0))
+    check_finite: bool = attrs.field(default=True, validator=validators.boolean)
     best_score: float | None = attrs.field(init=False, default=None)
     """The best value seen in this fit, or None."""
     wait_count: int = attrs.field(init=False, default=0)

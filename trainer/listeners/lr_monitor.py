@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 import torch
 
-from trainer.listeners._common import _int_at_least
+from trainer import validators
 
 __all__ = ["LearningRateMonitor"]
 
@@ -35,7 +35,7 @@ class LearningRateMonitor:
         'learning_rate_monitor_0'
     """
 
-    log_every_n_steps: int = attrs.field(default=1, validator=_int_at_least(1))
+    log_every_n_steps: int = attrs.field(default=1, validator=validators.int_at_least(1))
     history: list[tuple[int, list[float]]] = attrs.field(init=False, factory=list)
     """``(step, learning rates)`` records, oldest first."""
 

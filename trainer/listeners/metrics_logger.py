@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from trainer.listeners._common import _int_at_least, _one_of
+from trainer import validators
 from trainer.listeners._scalar_logger import _ScalarLogger
 
 __all__ = ["MetricsLogger"]
@@ -52,8 +52,8 @@ class MetricsLogger(_ScalarLogger):
     """
 
     path: str = attrs.field(converter=os.fspath)
-    format: str = attrs.field(default="csv", validator=_one_of("csv", "jsonl"))
-    log_every_n_steps: int = attrs.field(default=50, validator=_int_at_least(1))
+    format: str = attrs.field(default="csv", validator=validators.one_of("csv", "jsonl"))
+    log_every_n_steps: int = attrs.field(default=50, validator=validators.int_at_least(1))
     _file: Any = attrs.field(init=False, default=None, repr=False)
     _csv: Any = attrs.field(init=False, default=None, repr=False)
 

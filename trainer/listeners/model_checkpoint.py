@@ -12,14 +12,15 @@ from typing import Any, ClassVar
 
 import attrs
 
+from trainer import validators
 from trainer.checkpoint import rank_path
+from trainer.files import fsync_file, fsync_folder
 from trainer.listeners._common import (
+    _INT_AT_LEAST_1_OR_NONE,
+    _METRIC_NAME,
     _after_pending_saves,
     _improved,
-    _int_at_least,
-    _metric_name,
     _monitored,
-    _one_of,
 )
 
 __all__ = ["ModelCheckpoint"]
@@ -59,12 +60,12 @@ def _replace_with_copy_of(source: str, target: str) -> None:
             os.link(source, temporary)
         except OSError:  # no hard links on this file system
             shutil.copyfile(source, temporary)
-            with open(temporary, "rb") as handle:
-                os.fsync(handle.fileno())
+            fsync_file(temporary)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+    fsync_folder(folder)  # the rename itself survives a power loss
 
 
 @attrs.define(eq=False)
@@ -108,12 +109,16 @@ class ModelCheckpoint:
     """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
 
     dirpath: str = attrs.field(converter=os.fspath)
-    every_n_steps: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
-    every_n_epochs: int | None = attrs.field(default=1, validator=_int_at_least(1, optional=True))
-    monitor: str | None = attrs.field(default=None, validator=_metric_name(optional=True))
-    mode: str = attrs.field(default="min", validator=_one_of("min", "max"))
-    save_last: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    keep_last: int | None = attrs.field(default=3, validator=_int_at_least(0, optional=True))
+    every_n_steps: int | None = attrs.field(default=None, validator=_INT_AT_LEAST_1_OR_NONE)
+    every_n_epochs: int | None = attrs.field(default=1, validator=_INT_AT_LEAST_1_OR_NONE)
+    monitor: str | None = attrs.field(
+        default=None, validator=validators.non_empty_string(_METRIC_NAME, optional=True)
+    )
+    mode: str = attrs.field(default="min", validator=validators.one_of("min", "max"))
+    save_last: bool = attrs.field(default=True, validator=validators.boolean)
+    keep_last: int | None = attrs.field(
+        default=3, validator=validators.int_at_least(0, optional=True)
+    )
     filename: str = attrs.field(default="epoch={epoch}-step={step}", validator=_check_filename)
     _kept: list[str] = attrs.field(init=False, factory=list, repr=False)
     _best_score: float | None = attrs.field(init=False, default=None, repr=False)

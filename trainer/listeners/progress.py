@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from trainer.listeners._common import _int_at_least
+from trainer import validators
 
 __all__ = ["ProgressBar"]
 
@@ -52,7 +52,7 @@ class ProgressBar:
     """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
 
     description: str = ""
-    log_every_n_steps: int = attrs.field(default=10, validator=_int_at_least(1))
+    log_every_n_steps: int = attrs.field(default=10, validator=validators.int_at_least(1))
     always: bool = False
     leave: bool = False
     _total: int | None = attrs.field(init=False, default=None)

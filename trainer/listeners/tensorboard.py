@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from trainer.listeners._common import _int_at_least
+from trainer import validators
 from trainer.listeners._scalar_logger import _ScalarLogger
 
 __all__ = ["TensorBoardLogger"]
@@ -50,7 +50,7 @@ class TensorBoardLogger(_ScalarLogger):
     """
 
     log_dir: str = attrs.field(converter=os.fspath)
-    log_every_n_steps: int = attrs.field(default=50, validator=_int_at_least(1))
+    log_every_n_steps: int = attrs.field(default=50, validator=validators.int_at_least(1))
     _writer_class: Any = attrs.field(init=False, factory=_summary_writer, repr=False)
     _writer: Any = attrs.field(init=False, default=None, repr=False)
 
