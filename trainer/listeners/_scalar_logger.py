@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -84,7 +85,7 @@ def _learning_rates(raw: list[Any]) -> dict[str, float]:
 
 
 @attrs.define(eq=False)
-class _ScalarLogger:
+class _ScalarLogger(abc.ABC):
     """What the scalar loggers share: which rows to write, and when.
 
     A training row every ``log_every_n_steps`` batches (and one for the remaining batches at
@@ -160,11 +161,14 @@ class _ScalarLogger:
             values["skipped_batches"] = state.skipped_batches
         self._write_row(state.global_step, state.epoch, values)
 
+    @abc.abstractmethod
     def _write_row(self, step: int, epoch: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Write one row of ``values`` at ``step`` and ``epoch``."""
 
+    @abc.abstractmethod
     def _flush(self) -> None:
-        raise NotImplementedError
+        """Make the rows written so far readable by others."""
 
+    @abc.abstractmethod
     def _close(self) -> None:
-        raise NotImplementedError
+        """Flush and release the output; the next row opens it again."""
