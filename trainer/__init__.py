@@ -7,7 +7,7 @@ Example:
     >>> trainer = Trainer(max_epochs=3)
 """
 
-from trainer.checkpoint import ListenerState, read_checkpoint, write_checkpoint
+from trainer.checkpoint import read_checkpoint, write_checkpoint
 from trainer.data import TensorLoader
 from trainer.events import EVENTS, Events, EventSignal
 from trainer.exceptions import (
@@ -19,6 +19,7 @@ from trainer.exceptions import (
     SubscriptionError,
     TrainerError,
 )
+from trainer.state import ListenerState
 from trainer.trainer import FitResult, StepOutput, Trainer, TrainState
 
 __all__ = [

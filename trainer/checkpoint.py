@@ -56,7 +56,7 @@ import os
 import re
 import reprlib
 import tempfile
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -64,18 +64,13 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from trainer.exceptions import CheckpointError, CheckpointFormatError, CheckpointMismatchError
+from trainer.exceptions import CheckpointError, CheckpointFormatError
 from trainer.files import fsync_file, fsync_folder
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "ListenerState",
-    "ListenerStates",
     "check_value",
-    "merge_rank_state",
-    "rank_path",
-    "rank_state",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -192,89 +187,6 @@ def check_value(value: Any, where: str) -> None:
         f"those; "
         f"store {hint} instead"
     )
-
-
-class ListenerState(MutableMapping[str, Any]):
-    """The part of a checkpoint that belongs to one listener.
-
-    Listeners receive it as the ``checkpoint`` keyword of ``on_save_checkpoint`` (writable) and
-    ``on_load_checkpoint`` (read-only). Keys are strings; values are checked with
-    :func:`check_value` when they are set.
-
-    Example:
-        >>> state = ListenerState("counter_0")
-        >>> state["seen"] = 3
-        >>> dict(state)
-        {'seen': 3}
-    """
-
-    def __init__(
-        self, key: str, data: Mapping[str, Any] | None = None, *, readonly: bool = False
-    ) -> None:
-        self.key = key
-        self.readonly = readonly
-        self._data: dict[str, Any] = dict(data or {})
-
-    def __getitem__(self, name: str) -> Any:
-        try:
-            return self._data[name]
-        except KeyError:
-            raise KeyError(
-                f"listener {self.key!r} has no {name!r} in this checkpoint; "
-                f"it holds {sorted(self._data)}"
-            ) from None
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        if self.readonly:
-            raise TypeError(
-                f"the checkpoint of listener {self.key!r} is read-only while loading; "
-                "write state in on_save_checkpoint"
-            )
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"checkpoint keys must be non-empty strings, got {name!r}")
-        check_value(value, f"checkpoint[{name!r}] of listener {self.key!r}")
-        self._data[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        if self.readonly:
-            raise TypeError(f"the checkpoint of listener {self.key!r} is read-only while loading")
-        del self._data[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"ListenerState({self.key!r}, keys={sorted(self._data)})"
-
-
-class ListenerStates:
-    """The ``checkpoint`` payload of the checkpoint events: one :class:`ListenerState` per listener.
-
-    The dispatcher hands each receiver ``for_listener(key)``, so a listener sees only its own
-    namespace.
-    """
-
-    def __init__(self, saved: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        self.readonly = saved is not None
-        self._states = {
-            key: ListenerState(key, value, readonly=True) for key, value in (saved or {}).items()
-        }
-
-    def for_listener(self, key: str) -> ListenerState | None:
-        """The namespace of listener ``key``: created empty when saving, None when loading a file
-        without state for ``key`` (the listener is then not called)."""
-        if key not in self._states:
-            if self.readonly:
-                return None
-            self._states[key] = ListenerState(key)
-        return self._states[key]
-
-    def to_tree(self) -> dict[str, dict[str, Any]]:
-        """Every namespace as a plain dict, for :func:`write_checkpoint`."""
-        return {key: dict(state) for key, state in self._states.items()}
 
 
 class _Encoder:
@@ -483,7 +395,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     for name, digest in digests.items():
         if actual[name] != digest:
             raise CheckpointFormatError(
-                f"{path}: the bytes of tensor {_show(name)} do not match its checksum: the file "
+                f"{path}: the bytes of tensor {show(name)} do not match its checksum: the file "
                 "was damaged or edited after it was written; restore it from a copy"
             )
     decoder = _Decoder(path, tensors)
@@ -494,7 +406,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     unused = sorted(set(tensors) - decoder.used)
     if unused:
         raise CheckpointFormatError(
-            f"{path}: tensors {_show(unused)} are not referenced by its tree; the file was "
+            f"{path}: tensors {show(unused)} are not referenced by its tree; the file was "
             "edited or damaged"
         )
     return tree
@@ -521,7 +433,7 @@ def _short_repr() -> reprlib.Repr:
 _SHORT_REPR = _short_repr()
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A short ``repr`` (bounded length and depth): messages quote values from untrusted files."""
     return _SHORT_REPR.repr(value)
 
@@ -565,7 +477,7 @@ def _parse_json(path: str, text: str, what: str, *, header: bool = False) -> Any
         return json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise CheckpointFormatError(
-            f"{path}: {what} names the key {_show(exc.key)} twice in one object"
+            f"{path}: {what} names the key {show(exc.key)} twice in one object"
         ) from None
     except RecursionError:
         raise CheckpointFormatError(f"{path}: {what} is nested too deeply to read") from None
@@ -645,7 +557,7 @@ def _parse_header(path: str, raw: bytes) -> dict[str, Any]:
     if not text.startswith("{"):
         raise _unreadable(
             path,
-            f"its header starts with {_show(text[:10])}; a safetensors header is a JSON object",
+            f"its header starts with {show(text[:10])}; a safetensors header is a JSON object",
         )
     try:
         header = _parse_json(path, text, "its header", header=True)
@@ -675,12 +587,12 @@ def _check_metadata_types(path: str, metadata: Any) -> None:
         )
     for key, value in metadata.items():
         if not _is_text(key):
-            raise _unreadable(path, f"its metadata key {_show(key)} is not valid Unicode")
+            raise _unreadable(path, f"its metadata key {show(key)} is not valid Unicode")
         if not _is_text(value):
             what = f"a {_json_type(value)}" if not isinstance(value, str) else "not valid Unicode"
             raise _unreadable(
                 path,
-                f"its metadata entry {_show(key)} is {what}, not a string (safetensors metadata "
+                f"its metadata entry {show(key)} is {what}, not a string (safetensors metadata "
                 "maps strings to strings)",
             )
 
@@ -688,20 +600,20 @@ def _check_metadata_types(path: str, metadata: Any) -> None:
 def _check_entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
     problem = _name_problem(name)
     if problem is not None:
-        raise _unreadable(path, f"the tensor name {_show(name)} {problem}")
-    where = f"tensor {_show(name)}"
+        raise _unreadable(path, f"the tensor name {show(name)} {problem}")
+    where = f"tensor {show(name)}"
     if not isinstance(entry, dict) or sorted(entry) != list(_TENSOR_FIELDS):
         got = sorted(entry) if isinstance(entry, dict) else f"a {_json_type(entry)}"
         raise _unreadable(
             path,
             f"{where} should be described by a JSON object with exactly the keys 'dtype', "
-            f"'shape' and 'data_offsets', not {_show(got)}",
+            f"'shape' and 'data_offsets', not {show(got)}",
         )
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(code, str) or code not in _DTYPES:
         raise _unreadable(
             path,
-            f"{where} has dtype {_show(code)}, which is not a tensor dtype this reader loads "
+            f"{where} has dtype {show(code)}, which is not a tensor dtype this reader loads "
             f"(it loads {', '.join(_DTYPES)})",
         )
     if not (
@@ -711,7 +623,7 @@ def _check_entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...]
     ):
         raise _unreadable(
             path,
-            f"{where} has shape {_show(shape)}; a shape is a list of at most {_MAX_DIMS} "
+            f"{where} has shape {show(shape)}; a shape is a list of at most {_MAX_DIMS} "
             "non-negative integers",
         )
     if not (
@@ -722,15 +634,15 @@ def _check_entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...]
     ):
         raise _unreadable(
             path,
-            f"{where} has data_offsets {_show(offsets)}; expected [begin, end] with "
+            f"{where} has data_offsets {show(offsets)}; expected [begin, end] with "
             "0 <= begin <= end",
         )
     nbytes = math.prod(shape) * _DTYPES[code].itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise _unreadable(
             path,
-            f"{where} of dtype {code} and shape {_show(shape)} takes {_show(nbytes)} bytes, but "
-            f"its data_offsets {_show(offsets)} span {_show(offsets[1] - offsets[0])}",
+            f"{where} of dtype {code} and shape {show(shape)} takes {show(nbytes)} bytes, but "
+            f"its data_offsets {show(offsets)} span {show(offsets[1] - offsets[0])}",
         )
     return code, tuple(shape), (offsets[0], offsets[1])
 
@@ -742,14 +654,14 @@ def _check_spans(path: str, spans: list[tuple[int, int, str]], data_size: int) -
         if stop > data_size:
             raise _unreadable(
                 path,
-                f"tensor {_show(name)} ends at byte {stop} of the data section, which holds only "
+                f"tensor {show(name)} ends at byte {stop} of the data section, which holds only "
                 f"{data_size} bytes (the file is truncated)",
             )
         if begin != end:
             how = "overlaps the tensor before it" if begin < end else f"leaves {begin - end} bytes"
             raise _unreadable(
                 path,
-                f"tensor {_show(name)} starts at byte {begin} of the data section, but the data "
+                f"tensor {show(name)} starts at byte {begin} of the data section, but the data "
                 f"before it ends at byte {end}: it {how} (tensors are stored back to back)",
             )
         end = stop
@@ -765,9 +677,9 @@ def _check_metadata(path: str, metadata: Mapping[str, str] | None) -> dict[str, 
     metadata = dict(metadata or {})
     if metadata.get("format") != FORMAT_NAME:
         found = (
-            f"is {_show(metadata['format'])}"
+            f"is {show(metadata['format'])}"
             if "format" in metadata
-            else f"is missing; its entries are {_show(sorted(metadata))}"
+            else f"is missing; its entries are {show(sorted(metadata))}"
         )
         raise CheckpointFormatError(
             f"{path} is a safetensors file but not a trainer checkpoint (its metadata 'format' "
@@ -777,17 +689,17 @@ def _check_metadata(path: str, metadata: Mapping[str, str] | None) -> dict[str, 
     if version is None:
         raise CheckpointFormatError(
             f"{path}: its metadata entry 'format_version' is missing (its entries are "
-            f"{_show(sorted(metadata))}); the file was edited or damaged"
+            f"{show(sorted(metadata))}); the file was edited or damaged"
         )
     if version != str(FORMAT_VERSION):
         raise CheckpointFormatError(
-            f"{path} has checkpoint format version {_show(version)}; this release reads version "
+            f"{path} has checkpoint format version {show(version)}; this release reads version "
             f"{FORMAT_VERSION}. Load it with the release that wrote it."
         )
     unknown = sorted(set(metadata) - set(_METADATA_KEYS))
     if unknown:
         raise CheckpointFormatError(
-            f"{path}: its metadata entries {_show(unknown)} are not part of checkpoint format "
+            f"{path}: its metadata entries {show(unknown)} are not part of checkpoint format "
             f"version {FORMAT_VERSION} (it has {', '.join(_METADATA_KEYS)}); the file was edited "
             "or damaged"
         )
@@ -822,13 +734,13 @@ def _check_tree_checksum(path: str, metadata: Mapping[str, str], layout: _Layout
     missing = sorted(set(layout.tensors) - set(digests))
     if missing:
         raise CheckpointFormatError(
-            f"{path}: tensor {_show(missing[0])} has no checksum: the file was damaged or edited "
+            f"{path}: tensor {show(missing[0])} has no checksum: the file was damaged or edited "
             "after it was written"
         )
     extra = sorted(set(digests) - set(layout.tensors))
     if extra:
         raise CheckpointFormatError(
-            f"{path}: its checksums list tensor {_show(extra[0])}, which the file does not hold: "
+            f"{path}: its checksums list tensor {show(extra[0])}, which the file does not hold: "
             "the file was damaged or edited after it was written"
         )
     if _tree_digest(metadata) != entry["tree"]:
@@ -881,16 +793,16 @@ class _Decoder:
         return value
 
     def _fail(self, where: str, problem: str) -> CheckpointFormatError:
-        entry = _show(where) if where else "<root>"
+        entry = show(where) if where else "<root>"
         return CheckpointFormatError(f"{self.path}: the tree entry {entry} {problem}")
 
     def _tensor(self, value: dict[str, Any], where: str) -> torch.Tensor:
         if len(value) != 1:
             others = sorted(set(value) - {_TENSOR})
-            raise self._fail(where, f"mixes {_TENSOR!r} with the keys {_show(others)}")
+            raise self._fail(where, f"mixes {_TENSOR!r} with the keys {show(others)}")
         name = value[_TENSOR]
         if not isinstance(name, str) or name not in self.tensors:
-            raise self._fail(where, f"refers to tensor {_show(name)}, which the file does not hold")
+            raise self._fail(where, f"refers to tensor {show(name)}, which the file does not hold")
         self.used.add(name)
         return self.tensors[name]
 
@@ -904,7 +816,7 @@ class _Decoder:
         for item in items:
             if not (isinstance(item, list) and len(item) == 2 and _is_int_key(item[0])):
                 raise self._fail(
-                    where, f"is malformed: {_show(item)} is not an [integer key, value] pair"
+                    where, f"is malformed: {show(item)} is not an [integer key, value] pair"
                 )
             if item[0] in decoded:
                 raise self._fail(where, f"holds the integer key {item[0]} twice")
@@ -914,76 +826,3 @@ class _Decoder:
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
-
-
-# -- distributed checkpoints ---------------------------------------------------------------------
-
-_SUFFIX = ".safetensors"
-
-
-def rank_path(path: str | os.PathLike[str], rank: int) -> str:
-    """The file of rank ``rank``'s own state next to the checkpoint ``path``.
-
-    Example:
-        >>> rank_path("ckpt/last.safetensors", 1)
-        'ckpt/last.rank1.safetensors'
-    """
-    path = os.fspath(path)
-    stem, suffix = (path[: -len(_SUFFIX)], _SUFFIX) if path.endswith(_SUFFIX) else (path, "")
-    return f"{stem}.rank{rank}{suffix}"
-
-
-def rank_state(tree: Mapping[str, Any], rank: int, world_size: int) -> tuple[dict, dict]:
-    """Split a full checkpoint tree into rank zero's main tree and one rank's own tree.
-
-    Returns:
-        ``(main, own)``: ``main`` holds what every rank shares (``listeners`` emptied,
-        ``trainer.world_size`` set); ``own`` holds the rank's listener states, RNG states and
-        the progress (to pair it with its main file).
-    """
-    trainer = dict(tree["trainer"])
-    trainer["world_size"] = world_size
-    main = {**tree, "trainer": trainer, "listeners": {}}
-    own = {
-        "rank": rank,
-        "world_size": world_size,
-        "progress": tree["trainer"]["progress"],
-        "rng": tree["rng"],
-        "listeners": tree["listeners"],
-    }
-    return main, own
-
-
-def merge_rank_state(
-    path: str | os.PathLike[str], tree: dict[str, Any], rank: int, world_size: int
-) -> dict[str, Any]:
-    """Check the world size of the checkpoint ``tree`` read from ``path``; join this rank's file.
-
-    Raises:
-        CheckpointMismatchError: When the checkpoint was written by another number of processes,
-            or the rank file belongs to another save.
-        FileNotFoundError: When this rank's file is missing.
-    """
-    path = os.fspath(path)
-    section = tree.get("trainer")
-    trainer: dict[str, Any] = section if isinstance(section, dict) else {}
-    saved = trainer.get("world_size", 1)
-    if saved != world_size:
-        raise CheckpointMismatchError(
-            f"{path} was written by {saved} process(es) and this run has {world_size}: data "
-            "shards, per-rank replay buffers and RNG streams depend on the number of processes, "
-            f"so the run cannot continue with another. Resume with `torchrun --nproc_per_node="
-            f"{saved}` (or one process for world size 1)"
-        )
-    if world_size == 1:
-        return tree
-    own_path = rank_path(path, rank)
-    own = read_checkpoint(own_path)
-    if own.get("rank") != rank or own.get("progress") != trainer.get("progress"):
-        raise CheckpointMismatchError(
-            f"{own_path} does not belong to {path}: it was written by rank {own.get('rank')} at "
-            f"progress {own.get('progress')}, the main file is at {trainer.get('progress')} "
-            "(a save was interrupted between the rank files and the main file); resume from an "
-            "earlier checkpoint"
-        )
-    return {**tree, "rng": own["rng"], "listeners": own["listeners"]}

@@ -37,7 +37,7 @@ import datetime
 import hashlib
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -418,8 +418,3 @@ def resolve(mode: str, timeout: datetime.timedelta | None = None) -> Distributed
         local_rank=local_rank,
         backend=str(dist.get_backend()),
     )
-
-
-def describe_keys(keys: Iterator[str] | list[str]) -> str:
-    """A stable text of an ordered list of listener keys, for :meth:`same_everywhere`."""
-    return ",".join(keys)

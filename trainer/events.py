@@ -24,19 +24,19 @@ from __future__ import annotations
 import difflib
 import inspect
 import itertools
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 import blinker
 
+from trainer.distributed import RUNS_ON
 from trainer.exceptions import ListenerError, SubscriptionError
+from trainer.validators import NAME_PATTERN, snake_case
 
 __all__ = ["EVENTS", "HOOK_ALIASES", "EventSignal", "EventSpec", "Events", "Subscription"]
 
 _COMMON = ("sender", "trainer", "model", "optimizer", "state", "rank", "world_size")
-_RUNS_ON = ("all", "rank_zero", "collective")
 
 
 @attrs.frozen
@@ -124,8 +124,6 @@ trainer), ``model``, ``optimizer``, ``state`` (the :class:`~trainer.TrainState`)
 
 HOOK_ALIASES: dict[str, str] = {"on_train_batch_end": "batch_end"}
 """Method names kept from Renate's component hooks, mapped to the event they receive."""
-
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
 class _Receiver:
@@ -397,10 +395,10 @@ class Events:
             )
         if runs_on is None:
             runs_on = getattr(listener, "runs_on", "all")
-        if runs_on not in _RUNS_ON:
+        if runs_on not in RUNS_ON:
             raise SubscriptionError(
                 f"{type(listener).__qualname__} has runs_on={runs_on!r}; a listener runs on "
-                f"{list(_RUNS_ON)} (every rank, rank zero only, or every rank at the same point "
+                f"{list(RUNS_ON)} (every rank, rank zero only, or every rank at the same point "
                 "because it calls collectives)"
             )
         return self._add(listener, hooks, priority, name, runs_on)
@@ -480,7 +478,7 @@ class Events:
 
     def _key_for(self, target: Any, name: str | None) -> str:
         if name is not None:
-            if not isinstance(name, str) or not _NAME_RE.match(name):
+            if not isinstance(name, str) or not NAME_PATTERN.match(name):
                 raise SubscriptionError(
                     f"listener name {name!r} is not valid: use letters, digits, '_' and '-', "
                     "starting with a letter or '_' (no dots: they separate checkpoint keys)"
@@ -495,7 +493,7 @@ class Events:
             base = type(target).__name__
         else:
             base = getattr(target, "__name__", None) or type(target).__name__
-        base = _snake(base)
+        base = snake_case(base)
         for i in itertools.count():  # pragma: no branch - always returns
             key = f"{base}_{i}"
             if key not in self._by_key:
@@ -517,12 +515,6 @@ class Events:
 
 def _is_listener_object(target: Any) -> bool:
     return not (inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target))
-
-
-def _snake(name: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "listener"
-    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-    return name if name[0].isalpha() or name[0] == "_" else f"_{name}"
 
 
 def _describe(target: Any) -> str:

@@ -1,12 +1,27 @@
-"""The event-driven training loop."""
+"""The event-driven training loop.
+
+:meth:`Trainer.fit` reads as the loop it runs; each event fires in one line, through
+:meth:`Trainer._emit`::
+
+    prepare    check the arguments and the checkpoint to resume from; nothing has changed yet
+    start      model to its device, objects attached, fresh TrainState, seed       train_start
+    resume     restore the checkpoint over what the train_start hooks did           load_checkpoint
+    epochs     until max_epochs, max_steps or state.should_stop:
+                                                                                    epoch_start
+                 batches: to the device, step, backward, optimizer step   batch_start, batch_end
+                 epoch end: epoch-interval scheduler                                epoch_end
+                 validation every n-th epoch              validation_start, validation_end
+    end        the FitResult                                                        train_end
+
+The progress lives in :class:`~trainer.state.TrainState`, the checkpoint tree in
+:mod:`trainer.state`, the file format in :mod:`trainer.checkpoint`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import itertools
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -14,73 +29,21 @@ from typing import Any
 
 import attrs
 import torch
-from attrs import validators as v
 
 from trainer import _runtime
 from trainer import distributed as _distributed
-from trainer.checkpoint import (
-    ListenerStates,
-    merge_rank_state,
-    rank_path,
-    rank_state,
-    read_checkpoint,
-    write_checkpoint,
-)
+from trainer import state as _state
+from trainer import validators as _v
+from trainer.checkpoint import read_checkpoint, write_checkpoint
 from trainer.data import to_device
 from trainer.events import EVENTS, Events
-from trainer.exceptions import (
-    CheckpointFormatError,
-    CheckpointMismatchError,
-    ListenerError,
-    NonFiniteLossError,
-    SubscriptionError,
-)
+from trainer.exceptions import ListenerError, NonFiniteLossError, SubscriptionError
+from trainer.state import ListenerStates, TrainState
 
 __all__ = ["FitResult", "StepOutput", "TrainState", "Trainer"]
 
 StepOutput = torch.Tensor | Mapping[str, Any]
 """What a training step returns: the loss tensor, or a mapping with ``"loss"`` and anything else."""
-
-
-@attrs.define(eq=False)
-class TrainState:
-    """Where the loop is; every event's ``state`` keyword.
-
-    Attributes:
-        epoch: Index of the current epoch (0-based).
-        batch_idx: Index of the current batch within its epoch.
-        global_step: Training batches completed in this fit (resumed fits continue the count).
-        optimizer_steps: Optimizer steps taken (fewer than ``global_step`` with accumulation).
-        max_epochs: The epoch limit in force (None: unbounded, stop on ``max_steps``).
-        max_steps: The batch limit in force, or None.
-        should_stop: Set it to True from a listener to end the fit after the current batch.
-        batch_skipped: True during ``batch_end`` of a batch whose non-finite loss was skipped
-            (``Trainer(nonfinite_loss="skip")``): no backward pass or optimizer step was taken.
-        skipped_batches: Batches skipped so far in this fit.
-    """
-
-    epoch: int = 0
-    batch_idx: int = 0
-    global_step: int = 0
-    optimizer_steps: int = 0
-    max_epochs: int | None = None
-    max_steps: int | None = None
-    should_stop: bool = False
-    batch_skipped: bool = False
-    skipped_batches: int = 0
-
-
-class _LoopProgress:
-    """What the loop updates every step besides ``state``: a plain slotted object, so that a step
-    does not pay for the validation hooks of the trainer's own attributes."""
-
-    __slots__ = ("accumulated", "resume_at")
-
-    def __init__(self) -> None:
-        self.accumulated = 0
-        """Backward passes summed into the gradients since the last optimizer step."""
-        self.resume_at = (0, 0)
-        """(epoch, batch) a checkpoint taken now continues from."""
 
 
 @attrs.frozen
@@ -105,34 +68,52 @@ class FitResult:
     skipped_batches: int = 0
 
 
-def _positive_or_none(name: str) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+class _Run:
+    """What one fit needs besides the progress: its functions, data and payload (a plain slotted
+    object, so that the per-step reads cost no attrs machinery)."""
 
-    return check
+    __slots__ = (
+        "autocast",
+        "check_loss",
+        "epochs",
+        "last_loss",
+        "move",
+        "payload",
+        "scheduler",
+        "scheduler_interval",
+        "step",
+        "step_scheduler",
+        "train_loader",
+        "val_loader",
+        "val_metrics",
+        "val_step",
+    )
+
+    def __init__(
+        self,
+        step: Callable[[Any], StepOutput],
+        val_step: Callable[[Any], StepOutput],
+        train_loader: Iterable[Any],
+        val_loader: Iterable[Any] | None,
+        scheduler: Any,
+        scheduler_interval: str,
+        check_loss: bool,
+    ) -> None:
+        self.step, self.val_step = step, val_step
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
+        self.step_scheduler = scheduler if scheduler_interval == "step" else None
+        self.check_loss = check_loss
+        self.move: Callable[[Any], Any] = _identity  # set by Trainer._start for the device
+        self.autocast: Callable[[], Any] = contextlib.nullcontext
+        self.payload: dict[str, Any] = {}
+        self.epochs = 0
+        self.last_loss: torch.Tensor | None = None
+        self.val_metrics: dict[str, float] = {}
 
 
-def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _one_of(*allowed: str) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in allowed:
-            raise ValueError(f"{attribute.name} must be one of {list(allowed)}, got {value!r}")
-
-    return check
-
-
-def _clip_value(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (
-        not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
-    ):
-        raise ValueError(f"gradient_clip_val must be a number > 0 or None, got {value!r}")
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -184,18 +165,20 @@ class Trainer:
         6
     """
 
-    max_epochs: int | None = attrs.field(default=None, validator=_positive_or_none("max_epochs"))
-    max_steps: int | None = attrs.field(default=None, validator=_positive_or_none("max_steps"))
+    max_epochs: int | None = attrs.field(default=None, validator=_v.int_at_least(1, optional=True))
+    max_steps: int | None = attrs.field(default=None, validator=_v.int_at_least(1, optional=True))
     device: str | torch.device = attrs.field(default="auto", validator=_device)
-    precision: str = attrs.field(default="32", validator=_one_of(*_runtime.PRECISIONS))
-    gradient_clip_val: float | None = attrs.field(default=None, validator=_clip_value)
-    gradient_clip_algorithm: str = attrs.field(default="norm", validator=_one_of("norm", "value"))
-    accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
-    check_val_every_n_epoch: int = attrs.field(default=1, validator=_positive_int)
-    seed: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
-    nonfinite_loss: str = attrs.field(default="raise", validator=_one_of("raise", "skip", "off"))
-    compile_step: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    distributed: str = attrs.field(default="auto", validator=_one_of(*_distributed.MODES))
+    precision: str = attrs.field(default="32", validator=_v.one_of(*_runtime.PRECISIONS))
+    gradient_clip_val: float | None = attrs.field(
+        default=None, validator=_v.real_in_range(0, low_open=True, optional=True)
+    )
+    gradient_clip_algorithm: str = attrs.field(default="norm", validator=_v.one_of("norm", "value"))
+    accumulate_grad_batches: int = attrs.field(default=1, validator=_v.int_at_least(1))
+    check_val_every_n_epoch: int = attrs.field(default=1, validator=_v.int_at_least(1))
+    seed: int | None = attrs.field(default=None, validator=_v.int_at_least(None, optional=True))
+    nonfinite_loss: str = attrs.field(default="raise", validator=_v.one_of("raise", "skip", "off"))
+    compile_step: bool = attrs.field(default=False, validator=_v.boolean)
+    distributed: str = attrs.field(default="auto", validator=_v.one_of(*_distributed.MODES))
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
@@ -212,12 +195,11 @@ class Trainer:
         init=False, factory=_distributed.DistributedContext, repr=False
     )
     """This process's rank and world size in the current fit (rank 0 of 1 when alone)."""
+    train_loader: Iterable[Any] | None = attrs.field(init=False, default=None, repr=False)
+    """The training data of the current or last fit (its generators are saved in checkpoints)."""
 
-    _loop: _LoopProgress = attrs.field(init=False, factory=lambda: _LoopProgress(), repr=False)
-    _epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
-    _loaded_epoch_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
-    _loaded_rng: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
-    _validation_pending: bool = attrs.field(init=False, default=False, repr=False)
+    _run: _Run | None = attrs.field(init=False, default=None, repr=False)
+    _collecting: bool = attrs.field(init=False, default=False, repr=False)
 
     # -- listeners ------------------------------------------------------------------------------
 
@@ -317,18 +299,110 @@ class Trainer:
             scheduler_interval: ``"epoch"`` (after each full epoch) or ``"step"`` (after each
                 optimizer step).
             resume_from: A checkpoint to continue from (progress, RNG, optimizer, listeners).
-                It is read and checked before ``train_start`` and restored right after it.
+                It is read and checked before anything changes, and restored right after
+                ``train_start``. A refused checkpoint leaves the trainer as it was.
 
         Returns:
             A :class:`FitResult`.
 
         Raises:
             ListenerError: A listener raised; the ``exception`` event fired first.
+            RuntimeError: ``fit`` was called while this trainer is fitting (from a listener).
         """
-        if scheduler_interval not in ("epoch", "step"):
-            raise ValueError(
-                f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}"
+        # Prepare: check the arguments and the checkpoint; nothing has changed yet.
+        run = self._prepare(train_loader, step, val_loader, val_step, scheduler, scheduler_interval)
+        resume = self._read_resume(resume_from, model, optimizer, scheduler, train_loader)
+        self._start(run, model, optimizer, scheduler, resuming=resume is not None)
+        try:
+            # Train start; a resumed fit then restores the checkpoint over what its hooks did.
+            self._emit("train_start", train_loader=run.train_loader, scheduler=scheduler)
+            self._resume(resume)
+            self._check_ranks_agree()
+            self._validate_pending(run)
+            # Epochs, until max_epochs, max_steps or a listener's state.should_stop.
+            epoch, skip = self.state.resume_at
+            while not self.state.finished(epoch):
+                self._run_epoch(run, epoch, skip)
+                epoch, skip = epoch + 1, 0
+            # Train end.
+            return self._end(self._result(run))
+        except BaseException as exc:
+            self.dist.share_failure(exc)  # the other ranks stop at their next safe point
+            self._announce_failure(exc)
+            raise
+        finally:
+            self._run = None
+
+    def _run_epoch(self, run: _Run, epoch: int, skip: int) -> None:
+        """One epoch from batch ``skip`` (0 unless resuming mid-epoch), then its validation."""
+        state = self.state
+        state.epoch, run.epochs = epoch, run.epochs + 1
+        self._emit("epoch_start")
+        batches, length = self._epoch_batches(run.train_loader, epoch, skip)
+        done, exhausted = skip, True
+        for batch_idx, batch in enumerate(batches, start=skip):
+            done = batch_idx + 1
+            self._train_batch(run, batch_idx, batch, last=done == length)
+            if state.should_stop or state.steps_left() <= 0:
+                exhausted = done == length
+                break
+        if done == 0:
+            raise ValueError("train_loader yielded no batches; give it data or check its sampler")
+        if state.accumulated:  # an iterable without len() ended mid-window
+            self._optimizer_step(run.step_scheduler)
+        # Epoch end: a full epoch steps an epoch-interval scheduler first. A checkpoint written
+        # from here on resumes at the next epoch (after this one's validation).
+        validate = run.val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0
+        if exhausted:
+            self._close_epoch(run, epoch, resumed_at_end=done == skip)
+            state.validation_pending = validate
+        self._emit("epoch_end")
+        state.should_stop = self.dist.safe_point("epoch_end", stop=state.should_stop)
+        # Validation every n-th epoch, isolated from the training RNG stream.
+        if validate:
+            run.val_metrics = self._validate(run)
+
+    def _train_batch(self, run: _Run, batch_idx: int, batch: Any, *, last: bool) -> None:
+        """Device, step, backward (or skip), optimizer step when due; ``batch_start``/``_end``."""
+        state = self.state
+        state.batch_idx = batch_idx
+        batch = run.move(batch)
+        self._emit("batch_start", batch=batch)
+        # Forward (the caller's step) under the chosen precision, then backward.
+        with run.autocast():
+            outputs = run.step(batch)
+        loss, outputs = _split_step_output(outputs)
+        self._backward_or_skip(run, loss)
+        # Optimizer step when the accumulation window is full or the data ends.
+        last = last or state.steps_left() <= 1
+        if state.accumulated and (state.accumulated == self.accumulate_grad_batches or last):
+            self._optimizer_step(run.step_scheduler)
+        state.global_step += 1
+        state.resume_at = (state.epoch, batch_idx + 1)
+        # Batch end: parameters are updated, the loss is still on the device.
+        self._emit("batch_end", batch=batch, outputs=outputs, loss=loss)
+        if self.dist.enabled:
+            state.should_stop = self.dist.safe_point("batch_end", stop=state.should_stop)
+        run.last_loss = loss
+
+    # -- phases -----------------------------------------------------------------------------------
+
+    def _prepare(
+        self,
+        train_loader: Iterable[Any],
+        step: Callable[[Any], StepOutput],
+        val_loader: Iterable[Any] | None,
+        val_step: Callable[[Any], StepOutput] | None,
+        scheduler: Any,
+        scheduler_interval: str,
+    ) -> _Run:
+        """Check the arguments; nothing of the trainer changes here."""
+        if self._run is not None:
+            raise RuntimeError(
+                "fit() was called while this trainer is already fitting (from a listener?); "
+                "one trainer runs one fit at a time: use a second Trainer for a nested fit"
             )
+        _v.check_one_of("scheduler_interval", scheduler_interval, ("epoch", "step"))
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise TypeError(
                 "ReduceLROnPlateau needs a metric the trainer does not choose; step it from a "
@@ -343,163 +417,128 @@ class Trainer:
 
         if self.compile_step:
             step, val_step = torch.compile(step), torch.compile(val_step)
-        # Distributed: this rank's device, the DDP wrapper and this rank's share of the data.
+        return _Run(
+            step=step,
+            val_step=val_step,
+            train_loader=train_loader,
+            val_loader=val_loader,
+            scheduler=scheduler,
+            scheduler_interval=scheduler_interval,
+            check_loss=self.nonfinite_loss != "off",
+        )
+
+    def _read_resume(
+        self,
+        resume_from: str | os.PathLike[str] | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        train_loader: Iterable[Any],
+    ) -> tuple[str, dict[str, Any], list[str]] | None:
+        """Read and check the checkpoint to resume from against the objects of this fit."""
         ctx = self.dist = _distributed.resolve(self.distributed)
         self.events.rank = ctx.rank
+        if resume_from is None:
+            return None
+        path = os.fspath(resume_from)
+        tree = _state.merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
+        plan = _state.check_tree(
+            path,
+            tree,
+            self,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            strict=True,
+            loader=train_loader,
+        )
+        return path, tree, plan
+
+    def _start(
+        self,
+        run: _Run,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        resuming: bool,
+    ) -> None:
+        """Device, attachments, DDP wrapper and shards, a fresh TrainState, the seed."""
+        ctx = self.dist
         device = _runtime.resolve_device(ctx.device_for(self.device))
         model.to(device)
-        self._attach_for_fit(model, optimizer, scheduler, device)
+        self.attach(model, optimizer, scheduler)
+        if self.precision != "16-mixed":
+            self.grad_scaler = None
+        elif self.grad_scaler is None or self.grad_scaler._device != device.type:
+            self.grad_scaler = torch.amp.GradScaler(device.type)
         self.training_model = ctx.wrap(model, device)
         seed = self.seed or 0
-        train_loader = ctx.shard(train_loader, seed)
-        val_loader = None if val_loader is None else ctx.shard(val_loader, seed)
+        run.train_loader = self.train_loader = ctx.shard(run.train_loader, seed)
+        run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
+        run.move = functools.partial(to_device, device=device)
+        run.autocast = _runtime.autocast_factory(self.precision, device)
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
-        state = self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
-        self._loop.resume_at, self._loaded_epoch_rng, self._loaded_rng = (0, 0), None, None
-        self._loop.accumulated, self._validation_pending = 0, False
-        resume = None
-        if resume_from is not None:  # read and check now, restore after train_start
-            path = os.fspath(resume_from)
-            tree = merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
-            resume = (path, tree, self._check_checkpoint(path, tree, model, optimizer, True))
-        else:
+        self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
+        run.payload = self._common()
+        self._run = run
+        if not resuming:  # a resumed fit takes gradients and RNG from its checkpoint
             optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
             if self.seed is not None:
                 _runtime.seed_everything(self.seed)
-        move = functools.partial(to_device, device=device)
-        autocast = _runtime.autocast_factory(self.precision, device)
-        check_loss = self.nonfinite_loss != "off"
-        distributed, accumulate = ctx.enabled, self.accumulate_grad_batches
-        step_scheduler = scheduler if scheduler_interval == "step" else None
-        ev = self.events
-        common = {"sender": self, "trainer": self, "model": model, "optimizer": optimizer}
-        common.update(state=state, rank=ctx.rank, world_size=ctx.world_size)
-        try:
-            # Train start: the model is on its device and in train mode. When resuming, the
-            # checkpoint is restored right after, overriding what start-of-training hooks did
-            # (re-initialisation, model copies) with the saved state.
-            model.train()
-            if ev.train_start.active:
-                ev.train_start.send(self, train_loader=train_loader, scheduler=scheduler, **common)
-            if resume is not None:
-                self._apply_checkpoint(*resume)
-                if self._finished(self._loop.resume_at[0]) and not self._validation_pending:
-                    warnings.warn(
-                        f"{resume[0]} is the checkpoint of a finished run (epoch "
-                        f"{self._loop.resume_at[0]}, step {state.global_step}); this fit trains "
-                        "nothing. To train further on new data, restore it with "
-                        "load_checkpoint() and call fit() without resume_from.",
-                        stacklevel=2,
-                    )
-            self._check_ranks_agree()
-            epochs, last_loss, val_metrics = 0, None, {}
-            first_epoch, skip = self._loop.resume_at
-            if self._validation_pending and val_loader is not None:
-                # The checkpoint was taken after an epoch, before its validation: run it now,
-                # as the validation of that epoch.
-                state.epoch = first_epoch - 1
-                val_metrics = self._validate(model, val_loader, val_step, move, autocast, common)
-            for epoch in itertools.count(first_epoch):
-                if self._finished(epoch):
-                    break
-                state.epoch, epochs = epoch, epochs + 1
-                skip = skip if epoch == first_epoch else 0
-                if ev.epoch_start.active:
-                    ev.epoch_start.send(self, **common)
-                # Remember the RNG that orders this epoch's data (for a mid-epoch resume); in a
-                # resumed epoch, replay that order and continue with the checkpoint's RNG.
-                ctx.set_epoch(train_loader, epoch)  # a sharded loader's order depends on it
-                if skip == 0:
-                    self._epoch_rng = _runtime.get_rng_state(train_loader)
-                elif self._loaded_rng is not None:
-                    _runtime.set_rng_state(self._loaded_rng)
-                batches, length = self._epoch_batches(train_loader, skip)
-                done, exhausted = skip, True
-                loop = self._loop
-                for batch_idx, batch in enumerate(batches, start=skip):
-                    # Batch start: the batch is on the device.
-                    state.batch_idx = batch_idx
-                    batch = move(batch)
-                    if ev.batch_start.active:
-                        ev.batch_start.send(self, batch=batch, **common)
-                    # Forward (the caller's step) under the chosen precision, then backward.
-                    with autocast():
-                        outputs = step(batch)
-                    loss, outputs = _split_step_output(outputs)
-                    skipped = check_loss and not _runtime.is_finite(loss)
-                    if check_loss and distributed:
-                        skipped = ctx.any(skipped)  # the same on all ranks
-                    state.batch_skipped = skipped
-                    if skipped:
-                        self._nonfinite(loss)
-                    else:
-                        self._backward(loss)
-                    # Optimizer step when the accumulation window is full or the data ends.
-                    done = batch_idx + 1
-                    limit = state.max_steps
-                    last = done == length or (limit is not None and state.global_step + 1 >= limit)
-                    if loop.accumulated and (loop.accumulated == accumulate or last):
-                        self._optimizer_step(step_scheduler)
-                    state.global_step += 1
-                    loop.resume_at = (epoch, done)
-                    # Batch end: parameters are updated, the loss is still on the device.
-                    if ev.batch_end.active:
-                        ev.batch_end.send(self, batch=batch, outputs=outputs, loss=loss, **common)
-                    if distributed:
-                        state.should_stop = ctx.safe_point("batch_end", stop=state.should_stop)
-                    last_loss = loss
-                    if state.should_stop or (limit is not None and state.global_step >= limit):
-                        exhausted = done == length
-                        break
-                if done == 0:
-                    raise ValueError(
-                        "train_loader yielded no batches; give it data or check its sampler"
-                    )
-                if self._loop.accumulated:  # an iterable without len() ended mid-window
-                    self._optimizer_step(step_scheduler)
-                # Epoch end: a full epoch steps an epoch-interval scheduler first. A checkpoint
-                # written from here on resumes at the next epoch (after this one's validation).
-                validate = (
-                    val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0
-                )
-                if exhausted:
-                    if scheduler is not None and scheduler_interval == "epoch":
-                        with warnings.catch_warnings():
-                            if done == skip:  # resumed after the epoch's last batch
-                                warnings.filterwarnings("ignore", "Detected call of `lr_sched")
-                            scheduler.step()
-                    self._loop.resume_at = (epoch + 1, 0)
-                    self._validation_pending = validate
-                if ev.epoch_end.active:
-                    ev.epoch_end.send(self, **common)
-                state.should_stop = ctx.safe_point("epoch_end", stop=state.should_stop)
-                # Validation every n-th epoch, isolated from the training RNG stream.
-                if validate and val_loader is not None:
-                    val_metrics = self._validate(
-                        model, val_loader, val_step, move, autocast, common
-                    )
-            # Train end.
-            metrics = dict(val_metrics)
-            if last_loss is not None:
-                metrics = {"train_loss": ctx.mean(float(last_loss.detach().float())), **metrics}
-            result = FitResult(
-                steps=state.global_step,
-                optimizer_steps=state.optimizer_steps,
-                epochs=epochs,
-                metrics=metrics,
-                stopped_early=state.should_stop,
-                skipped_batches=state.skipped_batches,
+
+    def _resume(self, resume: tuple[str, dict[str, Any], list[str]] | None) -> None:
+        """Restore the checkpoint read in :meth:`_read_resume` (all or nothing)."""
+        if resume is None:
+            return
+        path, tree, plan = resume
+        self._apply_checkpoint(path, tree, plan, loader=self.train_loader)
+        state = self.state
+        if state.finished(state.resume_at[0]) and not state.validation_pending:
+            warnings.warn(
+                f"{path} is the checkpoint of a finished run (epoch {state.resume_at[0]}, step "
+                f"{state.global_step}); this fit trains nothing. To train further on new data, "
+                "restore it with load_checkpoint() and call fit() without resume_from.",
+                stacklevel=3,
             )
-            if ev.train_end.active:
-                ev.train_end.send(self, result=result, **common)
-            ctx.safe_point("train_end")
-            return result
-        except BaseException as exc:
-            ctx.share_failure(exc)  # the other ranks stop at their next safe point
-            self._announce_failure(exc, common)
-            raise
+
+    def _validate_pending(self, run: _Run) -> None:
+        """A checkpoint taken after an epoch, before its validation: run it now, as that epoch's."""
+        state = self.state
+        if state.validation_pending and run.val_loader is not None:
+            state.epoch = state.resume_at[0] - 1
+            run.val_metrics = self._validate(run)
+
+    def _result(self, run: _Run) -> FitResult:
+        state = self.state
+        metrics = dict(run.val_metrics)
+        if run.last_loss is not None:
+            loss = self.dist.mean(float(run.last_loss.detach().float()))
+            metrics = {"train_loss": loss, **metrics}
+        return FitResult(
+            steps=state.global_step,
+            optimizer_steps=state.optimizer_steps,
+            epochs=run.epochs,
+            metrics=metrics,
+            stopped_early=state.should_stop,
+            skipped_batches=state.skipped_batches,
+        )
+
+    def _end(self, result: FitResult, *, interrupted: bool = False) -> FitResult:
+        self._emit("train_end", result=result)
+        if not interrupted:
+            self.dist.safe_point("train_end")
+        return result
 
     # -- loop helpers ---------------------------------------------------------------------------
+
+    def _emit(self, event: str, /, **extra: Any) -> None:
+        """Send ``event`` with the common payload (built once per fit) and ``extra``, if anyone
+        listens: the one place where the trainer fires an event."""
+        signal = self.events.signals[event]
+        if signal.active:
+            run = self._run
+            signal.send(self, **(run.payload if run is not None else self._common()), **extra)
 
     def attach(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None
@@ -509,57 +548,47 @@ class Trainer:
         ``fit`` attaches its arguments itself; call this to save or load a checkpoint before the
         first ``fit`` (for example to inspect a run's state in a new process).
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        _check_attachable(model, optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
-    def _attach_for_fit(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        device: torch.device,
-    ) -> None:
-        self.attach(model, optimizer, scheduler)
-        if self.precision == "16-mixed":
-            if self.grad_scaler is None or self.grad_scaler._device != device.type:
-                self.grad_scaler = torch.amp.GradScaler(device.type)
-        else:
-            self.grad_scaler = None
+    def _epoch_batches(
+        self, loader: Iterable[Any], epoch: int, skip: int
+    ) -> tuple[Iterator[Any], int | None]:
+        """The epoch's batches from ``skip`` on, and the epoch's length if the loader has one.
 
-    def _finished(self, epoch: int) -> bool:
+        The RNG that orders the epoch's data is remembered for a mid-epoch checkpoint; a resumed
+        epoch replays that order, drops the batches already trained on, and continues with the
+        RNG the checkpoint was taken with.
+        """
         state = self.state
-        if state.should_stop or self._steps_left() <= 0:
-            return True
-        return state.max_epochs is not None and epoch >= state.max_epochs
-
-    def _steps_left(self) -> float:
-        if self.state.max_steps is None:
-            return math.inf
-        return self.state.max_steps - self.state.global_step
-
-    def _epoch_batches(self, loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], int | None]:
+        self.dist.set_epoch(loader, epoch)  # a sharded loader's order depends on it
         try:
             length: int | None = len(loader)  # type: ignore[arg-type]
         except TypeError:
             length = None
         if skip == 0:
+            state.epoch_rng = _runtime.get_rng_state(loader)
             return iter(loader), length
-        # Mid-epoch resume: replay the epoch's data order from its saved RNG, drop the batches
-        # already trained on, then continue with the RNG the checkpoint was taken with.
+        if state.loaded_rng is not None:
+            _runtime.set_rng_state(state.loaded_rng)
         current = _runtime.get_rng_state()
-        if self._epoch_rng is not None:
-            _runtime.set_rng_state(self._epoch_rng, loader)
+        if state.epoch_rng is not None:
+            _runtime.set_rng_state(state.epoch_rng, loader)
         iterator = iter(loader)
         for _ in itertools.islice(iterator, skip):
             pass
         _runtime.set_rng_state(current)
         return iterator, length
 
-    def _nonfinite(self, loss: torch.Tensor) -> None:
+    def _backward_or_skip(self, run: _Run, loss: torch.Tensor) -> None:
         state = self.state
+        skipped = run.check_loss and not _runtime.is_finite(loss)
+        if run.check_loss and self.dist.enabled:
+            skipped = self.dist.any(skipped)  # the same on all ranks
+        state.batch_skipped = skipped
+        if not skipped:
+            self._backward(loss)
+            return
         if self.nonfinite_loss == "raise":
             raise NonFiniteLossError(
                 f"the loss is {loss.detach().float().tolist()} at step {state.global_step} "
@@ -580,7 +609,7 @@ class Trainer:
         loss.backward()
         if self.dist.backend is not None:  # distributed
             self.dist.average_gradients(self.training_model, self.optimizer)  # type: ignore[arg-type]
-        self._loop.accumulated += 1
+        self.state.accumulated += 1
 
     def _optimizer_step(self, scheduler: Any) -> None:
         optimizer: torch.optim.Optimizer = self.optimizer  # type: ignore[assignment]
@@ -599,69 +628,70 @@ class Trainer:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self._loop.accumulated = 0
+        self.state.accumulated = 0
         self.state.optimizer_steps += 1
         if scheduler is not None:
             scheduler.step()
 
-    def _validate(
-        self,
-        model: torch.nn.Module,
-        val_loader: Iterable[Any],
-        val_step: Callable[[Any], StepOutput],
-        move: Callable[[Any], Any],
-        autocast: Callable[[], Any],
-        common: dict[str, Any],
-    ) -> dict[str, float]:
-        ev = self.events
+    def _close_epoch(self, run: _Run, epoch: int, *, resumed_at_end: bool) -> None:
+        """A full epoch: step an epoch-interval scheduler, resume a later checkpoint after it."""
+        if run.scheduler is not None and run.scheduler_interval == "epoch":
+            with warnings.catch_warnings():
+                if resumed_at_end:  # resumed after the epoch's last batch: no optimizer step yet
+                    warnings.filterwarnings("ignore", "Detected call of `lr_sched")
+                run.scheduler.step()
+        self.state.resume_at = (epoch + 1, 0)
+
+    def _validate(self, run: _Run) -> dict[str, float]:
+        """One validation pass in eval mode, isolated from the training RNG stream."""
+        model = self.model
+        assert model is not None
         rng = _runtime.get_rng_state()
         model.eval()
         try:
             with torch.no_grad():
-                if ev.validation_start.active:
-                    ev.validation_start.send(self, val_loader=val_loader, **common)
-                totals: dict[str, torch.Tensor] = {}
-                count = 0
-                for batch in val_loader:
-                    batch = move(batch)
-                    with autocast():
-                        values = _validation_values(val_step(batch))
-                    size = _runtime.batch_size_of(batch)
-                    for name, value in values.items():
-                        weighted = value.detach().float() * size
-                        totals[name] = totals[name] + weighted if name in totals else weighted
-                    count += size
+                self._emit("validation_start", val_loader=run.val_loader)
+                metrics = self._validation_metrics(run)
         finally:
             model.train()
             _runtime.set_rng_state(rng)
-        names = list(totals)
-        means: list[float] = []
-        if names:
-            counted = totals[names[0]].new_tensor(float(count))
-            sums = torch.stack([*(totals[n] for n in names), counted])
-            sums = self.dist.sum(sums)  # over every rank's samples (as is when alone)
-            means = (sums[:-1] / max(float(sums[-1]), 1.0)).tolist()
-        metrics = dict(zip(names, means))
-        self._validation_pending = False
-        if ev.validation_end.active:
-            ev.validation_end.send(self, metrics=metrics, **common)
+        self.state.validation_pending = False
+        self._emit("validation_end", metrics=metrics)
         self.state.should_stop = self.dist.safe_point("validation_end", stop=self.state.should_stop)
         return metrics
 
-    def _announce_failure(self, exc: BaseException, common: dict[str, Any]) -> None:
+    def _validation_metrics(self, run: _Run) -> dict[str, float]:
+        """Batch-size weighted means of what ``val_step`` returns, over every rank's samples."""
+        totals: dict[str, torch.Tensor] = {}
+        count = 0
+        for batch in run.val_loader or ():
+            batch = run.move(batch)
+            with run.autocast():
+                values = _validation_values(run.val_step(batch))
+            size = _runtime.batch_size_of(batch)
+            for name, value in values.items():
+                weighted = value.detach().float() * size
+                totals[name] = totals[name] + weighted if name in totals else weighted
+            count += size
+        names = list(totals)
+        if not names:
+            return {}
+        counted = totals[names[0]].new_tensor(float(count))
+        sums = self.dist.sum(torch.stack([*(totals[n] for n in names), counted]))
+        return dict(zip(names, (sums[:-1] / max(float(sums[-1]), 1.0)).tolist()))
+
+    def _announce_failure(self, exc: BaseException) -> None:
         """Fire ``exception`` (and, for Ctrl-C, ``train_end``) before the error propagates.
 
         After a ``KeyboardInterrupt`` the run is in a consistent state between two events, so
         ``train_end`` also fires and listeners can flush files or write a final checkpoint
         (``trainer.save_checkpoint`` from a listener is written once that event finished).
         """
-        ev = self.events
         event = exc.event if isinstance(exc, ListenerError) else None
         listener = exc.listener if isinstance(exc, ListenerError) else None
         try:
-            if ev.exception.active:
-                ev.exception.send(self, exception=exc, event=event, listener=listener, **common)
-            if isinstance(exc, KeyboardInterrupt) and ev.train_end.active:
+            self._emit("exception", exception=exc, event=event, listener=listener)
+            if isinstance(exc, KeyboardInterrupt):
                 state = self.state
                 result = FitResult(
                     steps=state.global_step,
@@ -671,7 +701,7 @@ class Trainer:
                     stopped_early=True,
                     skipped_batches=state.skipped_batches,
                 )
-                ev.train_end.send(self, result=result, **common)
+                self._end(result, interrupted=True)
         except Exception as inner:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"while announcing it: {inner}")
@@ -682,8 +712,8 @@ class Trainer:
         """Write the whole training state to one safetensors file, atomically.
 
         The file holds the model, the optimizer, the scheduler, the grad scaler, the progress,
-        the RNG states and the state every listener stores in its ``on_save_checkpoint``. Nothing
-        is written if a listener raises.
+        the RNG states (the train loader's own generators included) and the state every listener
+        stores in its ``on_save_checkpoint``. Nothing is written if a listener raises.
 
         Called from inside a listener (say at ``batch_end`` or ``epoch_end``), the file is written
         as soon as every listener has handled that event, so that it holds one consistent state
@@ -694,12 +724,19 @@ class Trainer:
             path: The file to write (conventionally ``*.safetensors``).
 
         Raises:
-            RuntimeError: When no model is attached (call ``fit`` or ``attach`` first).
+            RuntimeError: When no model is attached (call ``fit`` or ``attach`` first), or when
+                called from an ``on_save_checkpoint`` hook (it would save forever).
             ListenerError: When a listener's ``on_save_checkpoint`` raised, for example a
                 ``TypeError`` for a value a checkpoint cannot hold (chained as the cause).
             TypeError: When the scheduler or grad scaler state cannot be stored.
         """
         self._require_attached("save")
+        if self._collecting:
+            raise RuntimeError(
+                "save_checkpoint() was called from an on_save_checkpoint hook, while a checkpoint "
+                "is being assembled; write the listener's state into its `checkpoint` argument "
+                "instead, and call save_checkpoint() from another event (batch_end, epoch_end)"
+            )
         if self.events.dispatching:
             # Called from a listener: write once every listener has handled the current event,
             # so that the file holds one consistent state whatever the listener order.
@@ -711,7 +748,7 @@ class Trainer:
         """Assemble and write a checkpoint; in a distributed fit, one file per rank as well.
 
         Every rank collects its listeners' states; only when all succeeded do the ranks write
-        their own files (:func:`~trainer.checkpoint.rank_path`), then rank zero the main file,
+        their own files (:func:`~trainer.state.rank_path`), then rank zero the main file,
         and nobody continues before it is on disk (see :mod:`trainer.checkpoint`).
         """
         ctx = self.dist
@@ -719,51 +756,35 @@ class Trainer:
         if not ctx.enabled:
             write_checkpoint(path, tree)
             return
-        main, own = rank_state(tree, ctx.rank, ctx.world_size)
-        ctx.together("checkpoint_written", lambda: write_checkpoint(rank_path(path, ctx.rank), own))
+        main, own = _state.rank_state(tree, ctx.rank, ctx.world_size)
+        own_path = _state.rank_path(path, ctx.rank)
+        ctx.together("checkpoint_written", lambda: write_checkpoint(own_path, own))
         if ctx.is_zero:
             ctx.together("checkpoint_main", lambda: write_checkpoint(path, main))
         else:
             ctx.together("checkpoint_main", lambda: None)
 
     def _checkpoint_tree(self, path: str) -> dict[str, Any]:
-        model, optimizer = self._require_attached("save")
+        self._require_attached("save")
+        states = self._collect_listener_states(path)
+        subscriptions = self.events.subscriptions()
+        stateful = [s.key for s in subscriptions if "save_checkpoint" in s.receivers]
+        order = [s.key for s in subscriptions]
+        return _state.build_tree(self, states.to_tree(), order=order, stateful=stateful)
+
+    def _collect_listener_states(self, path: str) -> ListenerStates:
+        """Every listener's ``on_save_checkpoint`` output (for a file or a rollback snapshot)."""
         states = ListenerStates()
-        ev = self.events
-        if ev.save_checkpoint.active:
-            ev.save_checkpoint.send(self, checkpoint=states, path=path, **self._common())
-        stateful = [s.key for s in self.events.subscriptions() if "save_checkpoint" in s.receivers]
-        pending = None
-        if self._loop.accumulated:
-            pending = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        epoch, batch = self._loop.resume_at
-        tree = {
-            "trainer": {
-                "progress": {
-                    "epoch": epoch,
-                    "batch": batch,
-                    "global_step": self.state.global_step,
-                    "optimizer_steps": self.state.optimizer_steps,
-                    "accumulated": self._loop.accumulated,
-                    "validation_pending": self._validation_pending,
-                },
-                "optimizer_class": type(optimizer).__qualname__,
-                "listener_order": [s.key for s in self.events.subscriptions()],
-                "stateful_listeners": stateful,
-                "precision": self.precision,
-            },
-            "model": model.state_dict(),
-            "optimizer": _runtime.optimizer_state_to_tree(optimizer.state_dict()),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-            "rng": {
-                "current": _runtime.get_rng_state(),
-                "epoch_start": self._epoch_rng if batch else None,
-            },
-            "pending_grads": pending,
-            "listeners": states.to_tree(),
-        }
-        return tree
+        self._collecting = True
+        try:
+            self._emit("save_checkpoint", checkpoint=states, path=path)
+        finally:
+            self._collecting = False
+        return states
+
+    def _give_listener_states(self, states: Mapping[str, Any], path: str) -> None:
+        """Hand each listener its part of ``states`` (listeners without a part are not called)."""
+        self._emit("load_checkpoint", checkpoint=ListenerStates(states), path=path)
 
     def load_checkpoint(
         self,
@@ -777,14 +798,15 @@ class Trainer:
         """Restore a checkpoint into the attached (or given) objects and the subscribed listeners.
 
         Everything is read and checked before anything changes: a file that does not match
-        raises and leaves the model, optimizer and listeners untouched. Listener state goes to
+        raises and leaves the model, optimizer, listeners and attachments untouched, and so does
+        a listener that refuses its state (the others get theirs back). Listener state goes to
         the listener instances subscribed now, by key.
 
         Args:
             path: A file written by :meth:`save_checkpoint`.
-            model: Attach this model first (default: the one of the last ``fit``).
-            optimizer: Attach this optimizer first.
-            scheduler: Attach this scheduler first.
+            model: Attach this model (default: the one of the last ``fit``) once the file loaded.
+            optimizer: Attach this optimizer once the file loaded.
+            scheduler: Attach this scheduler once the file loaded.
             strict: When False, listener state without a subscribed listener, or a stateful
                 listener without state, only warns.
 
@@ -800,210 +822,79 @@ class Trainer:
             )
         model = self.model if model is None else model
         optimizer = self.optimizer if optimizer is None else optimizer
+        scheduler = self.scheduler if scheduler is None else scheduler
         if model is None or optimizer is None:
             raise RuntimeError(
                 "cannot load a checkpoint: no model and optimizer are attached; call fit() or "
                 "attach(model, optimizer) first, or pass model= and optimizer="
             )
-        self.attach(model, optimizer, self.scheduler if scheduler is None else scheduler)
+        _check_attachable(model, optimizer)
         path = os.fspath(path)
         if not self.dist.enabled:
             self.dist = _distributed.resolve(self.distributed)
             self.events.rank = self.dist.rank
         ctx = self.dist
-        tree = merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
-        plan = self._check_checkpoint(path, tree, model, optimizer, strict)
-        self._apply_checkpoint(path, tree, plan)
+        tree = _state.merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
+        plan = _state.check_tree(
+            path, tree, self, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict
+        )
+        attached = (self.model, self.optimizer, self.scheduler)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        try:
+            self._apply_checkpoint(path, tree, plan)
+        except BaseException:
+            self.model, self.optimizer, self.scheduler = attached
+            raise
 
-    def _apply_checkpoint(self, path: str, tree: dict[str, Any], plan: list[str]) -> None:
-        """Restore a checkpoint that :meth:`_check_checkpoint` accepted, all or nothing.
+    def _apply_checkpoint(
+        self, path: str, tree: dict[str, Any], plan: list[str], *, loader: Any = None
+    ) -> None:
+        """Restore a checkpoint that :func:`~trainer.state.check_tree` accepted, all or nothing.
 
         If anything fails on the way (a listener refusing its state, say), the model, optimizer,
-        scheduler, grad scaler, progress and RNG are put back as they were.
+        scheduler, grad scaler, progress, RNG and the listeners that already received their
+        state are put back as they were.
         """
         model, _ = self._require_attached("load")
         # The model's tensors are swapped for the loaded ones where that is a plain copy (the
         # old ones are kept for a rollback); otherwise they are copied in, after a snapshot.
         swaps = None if self.dist.enabled else _runtime.swap_plan(model, tree["model"])
-        swap = swaps is not None
-        snapshot = self._snapshot(model=not swap)
+        snapshot = _state.take_snapshot(self, model=swaps is None)
+        before = self._listener_snapshot(plan, path)
         undo = None
         try:
             if swaps is not None:
                 undo = _runtime.swap_in_module_state(swaps)
-            self._restore(tree, path, model=undo is None)
-            ev = self.events
-            if ev.load_checkpoint.active:
-                saved = {key: tree["listeners"][key] for key in plan}
-                ev.load_checkpoint.send(
-                    self, checkpoint=ListenerStates(saved), path=path, **self._common()
-                )
-        except BaseException:
+            _state.restore_tree(self, tree, path, model=undo is None, loader=loader)
+            self._give_listener_states({key: tree["listeners"][key] for key in plan}, path)
+        except BaseException as exc:
             if undo is not None:
                 undo()
-            self._restore(snapshot, path, model=not swap)
+            _state.roll_back(self, snapshot)
+            self._roll_back_listeners(plan, before, path, exc)
             raise
 
-    def _snapshot(self, model: bool = True) -> dict[str, Any]:
-        """The restorable state in the layout of a checkpoint tree (the model's only if
-        ``model``). Tensors are copied where restoring writes into them; the optimizer's state
-        is not: ``load_state_dict`` replaces it without writing into the old tensors."""
-        module, optimizer = self._require_attached("load")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return {
-            "model": {k: v.detach().clone() for k, v in module.state_dict().items()}
-            if model
-            else None,
-            "optimizer": _runtime.optimizer_state_to_tree(optimizer.state_dict()),
-            "scheduler": None
-            if self.scheduler is None
-            else copy.deepcopy(self.scheduler.state_dict()),
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-            "trainer": {
-                "progress": {
-                    "epoch": self._loop.resume_at[0],
-                    "batch": self._loop.resume_at[1],
-                    "global_step": self.state.global_step,
-                    "optimizer_steps": self.state.optimizer_steps,
-                    "accumulated": self._loop.accumulated,
-                    "validation_pending": self._validation_pending,
-                }
-            },
-            "pending_grads": [None if p.grad is None else p.grad.clone() for p in params],
-            "rng": {"current": _runtime.get_rng_state(), "epoch_start": self._epoch_rng},
-        }
+    def _listener_snapshot(self, plan: list[str], path: str) -> dict[str, Any]:
+        """Copies of the current state of every receiving listener but the last: if a later one
+        refuses its state, the earlier ones get these back. (The last one has nobody after it;
+        a listener keeps its own load all or nothing.)"""
+        if len(plan) < 2:
+            return {}
+        states = self._collect_listener_states(path).to_tree()
+        return {key: _state.clone_tensors(states[key]) for key in plan[:-1] if key in states}
 
-    def _restore(self, tree: dict[str, Any], path: str, model: bool = True) -> None:
-        module, optimizer = self._require_attached("load")
-        if model:
-            module.load_state_dict(tree["model"])
-        optimizer.load_state_dict(_runtime.optimizer_state_from_tree(tree["optimizer"], path))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(tree["scheduler"])
-        if self.grad_scaler is not None and tree["grad_scaler"] is not None:
-            self.grad_scaler.load_state_dict(tree["grad_scaler"])
-        progress = tree["trainer"]["progress"]
-        self.state.epoch, self.state.batch_idx = progress["epoch"], progress["batch"]
-        self.state.global_step = progress["global_step"]
-        self.state.optimizer_steps = progress["optimizer_steps"]
-        self._loop.resume_at = (progress["epoch"], progress["batch"])
-        self._loop.accumulated = progress["accumulated"]
-        self._validation_pending = progress["validation_pending"]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = tree["pending_grads"] or [None] * len(params)
-        for param, grad in zip(params, grads):
-            param.grad = None if grad is None else grad.to(param.device, param.dtype)
-        _runtime.set_rng_state(tree["rng"]["current"])
-        self._loaded_rng = tree["rng"]["current"]
-        self._loaded_epoch_rng = tree["rng"]["epoch_start"]
-        self._epoch_rng = self._loaded_epoch_rng
-
-    def _check_checkpoint(
-        self,
-        path: str,
-        tree: dict[str, Any],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        strict: bool,
-    ) -> list[str]:
-        """Collect every mismatch; return the listener keys that will receive state."""
-        sections = ("trainer", "model", "optimizer", "scheduler", "grad_scaler", "rng", "listeners")
-        missing = [s for s in (*sections, "pending_grads") if s not in tree]
-        if missing:
-            raise CheckpointFormatError(f"{path} lacks the sections {missing}")
-        kinds: dict[str, type | tuple[type, ...]] = {
-            "trainer": dict,
-            "model": dict,
-            "optimizer": dict,
-            "rng": dict,
-            "listeners": dict,
-            "scheduler": (dict, type(None)),
-            "grad_scaler": (dict, type(None)),
-            "pending_grads": (list, type(None)),
-        }
-        wrong = [name for name, kind in kinds.items() if not isinstance(tree[name], kind)]
-        progress = tree["trainer"].get("progress") if isinstance(tree["trainer"], dict) else None
-        if wrong or not isinstance(progress, dict):
-            raise CheckpointFormatError(
-                f"{path}: the sections {wrong or ['trainer.progress']} do not have the layout "
-                "of a trainer checkpoint"
-            )
-        problems: list[str] = []
-        live = model.state_dict()
-        saved = tree["model"]
-        for key in sorted(set(live) - set(saved)):
-            problems.append(f"model: missing key {key!r}")
-        for key in sorted(set(saved) - set(live)):
-            problems.append(f"model: unexpected key {key!r}")
-        for key in sorted(set(live) & set(saved)):
-            have, got = live[key], saved[key]
-            if not isinstance(got, torch.Tensor):
-                problems.append(f"model: {key!r} is not a tensor in the file")
-            elif have.shape != got.shape:
-                problems.append(
-                    f"model: {key!r} has shape {tuple(got.shape)} in the file, "
-                    f"{tuple(have.shape)} in the model"
-                )
-            elif have.dtype != got.dtype:
-                problems.append(
-                    f"model: {key!r} has dtype {got.dtype} in the file, {have.dtype} in the model"
-                )
-        saved_class = tree["trainer"].get("optimizer_class")
-        if saved_class != type(optimizer).__qualname__:
-            problems.append(
-                f"optimizer: the file was written by {saved_class}, the trainer has "
-                f"{type(optimizer).__qualname__}"
-            )
-        groups = tree["optimizer"].get("param_groups", []) if tree["optimizer"] else []
-        live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-        saved_sizes = [len(g.get("params", [])) for g in groups]
-        if live_sizes != saved_sizes:
-            problems.append(
-                f"optimizer: parameter groups of sizes {saved_sizes} in the file, "
-                f"{live_sizes} in the optimizer"
-            )
-        else:
-            problems.extend(_optimizer_state_problems(tree["optimizer"], optimizer))
-        if (tree["scheduler"] is None) != (self.scheduler is None):
-            saved_one = "no scheduler" if tree["scheduler"] is None else "a scheduler"
-            have = "a scheduler" if self.scheduler is not None else "none"
-            problems.append(f"scheduler: the file has {saved_one}, the trainer has {have}")
-        if tree["grad_scaler"] is not None and self.grad_scaler is None:
-            problems.append(
-                f"grad scaler: the file was written with precision "
-                f"{tree['trainer'].get('precision')!r}, this trainer uses {self.precision!r}"
-            )
-        subscriptions = self.events.subscriptions()
-        receiving = [s.key for s in subscriptions if "load_checkpoint" in s.receivers]
-        stored = tree["listeners"]
-        listener_problems = [
-            f"listener {key!r}: subscribed with on_load_checkpoint, but the file has no state "
-            "for it"
-            for key in receiving
-            if key not in stored
-        ]
-        subscribed = {s.key for s in subscriptions}
-        for key in stored:
-            if key not in subscribed:
-                listener_problems.append(
-                    f"listener {key!r}: the file has its state, but no listener of that name is "
-                    f"subscribed (subscribed: {sorted(subscribed)})"
-                )
-            elif key not in receiving:
-                listener_problems.append(
-                    f"listener {key!r}: the file has its state, but it has no on_load_checkpoint"
-                )
-        if listener_problems and not strict:
-            for problem in listener_problems:
-                warnings.warn(f"{path}: {problem}", stacklevel=3)
-        else:
-            problems.extend(listener_problems)
-        if problems:
-            raise CheckpointMismatchError(
-                f"{path} does not match the live objects ({len(problems)} problems):\n  - "
-                + "\n  - ".join(problems)
-            )
-        return [key for key in receiving if key in stored]
+    def _roll_back_listeners(
+        self, plan: list[str], before: dict[str, Any], path: str, exc: BaseException
+    ) -> None:
+        failed = exc.listener if isinstance(exc, ListenerError) else None
+        given = plan[: plan.index(failed)] if failed in plan else plan
+        states = {key: before[key] for key in given if key in before}
+        if not states:
+            return
+        try:
+            self._give_listener_states(states, path)
+        except Exception as inner:  # the error being raised stays the one to report
+            exc.add_note(f"while putting the listeners' state back: {inner}")
 
     def _require_attached(self, verb: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         if self.model is None or self.optimizer is None:
@@ -1014,6 +905,7 @@ class Trainer:
         return self.model, self.optimizer
 
     def _common(self) -> dict[str, Any]:
+        """The keywords every event carries."""
         return {
             "sender": self,
             "trainer": self,
@@ -1031,28 +923,11 @@ class Trainer:
         self.dist.safe_point("train_start")
 
 
-def _optimizer_state_problems(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Per-parameter state whose shape cannot belong to its parameter (e.g. Adam moments)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    problems = []
-    for index, values in (saved.get("state") or {}).items():
-        position = int(index) if str(index).isdigit() else -1
-        if not 0 <= position < len(params):
-            problems.append(f"optimizer: state for parameter {index!r}, which does not exist")
-            continue
-        shape = tuple(params[position].shape)
-        for name, value in values.items():
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dim() == len(shape)
-                and value.dim() > 0
-                and tuple(value.shape) != shape
-            ):
-                problems.append(
-                    f"optimizer: state {name!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)} in the file, the parameter has shape {shape}"
-                )
-    return problems
+def _check_attachable(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
 
 
 def _split_step_output(outputs: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:

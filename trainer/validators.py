@@ -86,12 +86,18 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _int_text(low: int, high: int | None) -> str:
+def _int_text(low: int | None, high: int | None) -> str:
+    if low is None:
+        return "an int" if high is None else f"an int < {high}"
     return f"an int >= {low}" if high is None else f"an int in [{low}, {high})"
 
 
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    """Raise unless ``value`` is an int with ``low <= value`` (and ``value < high`` if given).
+def _in_range(value: int, low: int | None, high: int | None) -> bool:
+    return (low is None or value >= low) and (high is None or value < high)
+
+
+def check_int(name: str, value: Any, low: int | None, high: int | None = None) -> None:
+    """Raise unless ``value`` is an int with ``low <= value < high`` (None: no such bound).
 
     Raises:
         WrongTypeError: ``value`` is not an int (bools are not).
@@ -101,20 +107,20 @@ def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
         raise WrongTypeError(
             f"{name} must be {_int_text(low, high)}, got {value!r} of type {type(value).__name__}"
         )
-    if value < low or (high is not None and value >= high):
+    if not _in_range(value, low, high):
         raise ValueError(f"{name} must be {_int_text(low, high)}, got {value!r}")
 
 
-def int_at_least(low: int, high: int | None = None, *, optional: bool = False) -> Validator:
-    """A validator for ints in ``[low, high)`` (``high`` None: no upper bound), or None if
-    ``optional``. The message of an optional field with ``low == 1`` says "a positive int"."""
+def int_at_least(low: int | None, high: int | None = None, *, optional: bool = False) -> Validator:
+    """A validator for ints in ``[low, high)`` (None: no such bound), or None if ``optional``.
+    The message of an optional field with ``low == 1`` says "a positive int"."""
 
     def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if optional and value is None:
             return
         if optional:
             what = "a positive int" if (low, high) == (1, None) else _int_text(low, high)
-            if not is_int(value) or value < low or (high is not None and value >= high):
+            if not is_int(value) or not _in_range(value, low, high):
                 error = ValueError if is_int(value) else WrongTypeError
                 raise error(
                     f"{field_name(instance, attribute)} must be {what} or None, got {value!r}"
@@ -129,6 +135,18 @@ def _fmt(bound: float) -> str:
     if math.isinf(bound):
         return "-inf" if bound < 0 else "inf"
     return f"{bound:g}"
+
+
+def _range_text(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    """``a number > 0``, ``a number <= 1``, ``a number in (0, 1]`` or ``a finite number``."""
+    if math.isinf(low) and math.isinf(high):
+        return "a finite number"
+    if math.isinf(high):
+        return f"a number {'>' if low_open else '>='} {_fmt(low)}"
+    if math.isinf(low):
+        return f"a number {'<' if high_open else '<='} {_fmt(high)}"
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    return f"a number in {left}{_fmt(low)}, {_fmt(high)}{right}"
 
 
 def real_in_range(
@@ -148,11 +166,7 @@ def real_in_range(
         high_open: Whether ``high`` itself is excluded.
         optional: Whether None is accepted.
     """
-    left = "(" if low_open or math.isinf(low) else "["
-    right = ")" if high_open or math.isinf(high) else "]"
-    what = f"a real number in {left}{_fmt(low)}, {_fmt(high)}{right}" + (
-        " or None" if optional else ""
-    )
+    what = _range_text(low, high, low_open, high_open) + (" or None" if optional else "")
 
     def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if optional and value is None:
