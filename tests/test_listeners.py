@@ -562,6 +562,31 @@ def test_timer_reports_every_event_with_its_listeners(tmp_path):
     )
 
 
+def test_timer_subscribed_like_any_listener_times_the_others_from_its_first_fit_on():
+    trainer = Trainer(max_epochs=2, device="cpu")
+    trainer.subscribe(Slow(0.02))
+    timer = Timer()
+    assert trainer.subscribe(timer) == "timer_0"
+    _fit(trainer)
+    summary = timer.summary()
+    # Subscribed after Slow with the same priority, it still brackets it.
+    assert summary["epoch_end"]["calls"] == 2 and summary["epoch_end"]["total_s"] >= 0.04
+    assert summary["epoch_end"]["listeners"] == ["slow_0"]
+    assert summary["batch_end"]["calls"] == 2 * BATCHES
+    # It attaches during the first train_start, whose listeners it therefore does not time; the
+    # fit's wall time counts from there.
+    assert summary["train_start"]["calls"] == 0 and summary["train_end"]["calls"] == 1
+    assert summary["train_start"]["listeners"] == []  # its own receivers are not listed
+    assert timer.fit_seconds >= 0.04
+    _fit(trainer)
+    assert timer.summary()["train_start"]["calls"] == 1
+    assert timer.summary()["epoch_end"]["calls"] == 4
+    timer.detach()  # stops it and unsubscribes it
+    assert [key for key, _ in trainer.listeners] == ["slow_0"]
+    _fit(trainer)
+    assert timer.summary()["epoch_end"]["calls"] == 4
+
+
 def test_timer_leaves_resuming_unaffected(tmp_path):
     first = Trainer(max_epochs=1, device="cpu", seed=0)
     Timer().attach(first)

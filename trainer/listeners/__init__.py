@@ -1,7 +1,8 @@
 """Ready-made listeners.
 
-Each is an attrs class; subscribe an instance with ``trainer.subscribe(...)`` (the :class:`Timer`
-attaches itself with ``timer.attach(trainer)``, since it needs two places in the dispatch order).
+Each is an attrs class; subscribe an instance with ``trainer.subscribe(...)``. The :class:`Timer`
+needs two places in the dispatch order: subscribed, it attaches itself at the first
+``train_start``; ``timer.attach(trainer)`` attaches it at once.
 
 * :class:`ProgressBar`: a tqdm bar per epoch (needs ``tqdm``).
 * :class:`MetricsLogger`: training and validation scalars to a CSV or JSON-lines file.

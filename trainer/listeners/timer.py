@@ -47,10 +47,16 @@ class Timer:
 
     :meth:`attach` subscribes two small receivers to every event of a trainer, one with the
     highest priority (it runs first) and one with the lowest (it runs last): the time between
-    them is the time all other listeners of that event took. :meth:`summary` lists it per event
-    with the keys of the listeners that receive the event, so a slow event points at its
-    listeners; the fit's total wall time puts the listeners' share in proportion. Only the trainer's
-    public subscription API is used.
+    them is the time all other listeners of that event took, whatever their priorities.
+    :meth:`summary` lists it per event with the keys of the listeners that receive the event, so
+    a slow event points at its listeners; the fit's total wall time puts the listeners' share in
+    proportion. Only the trainer's public subscription API is used.
+
+    ``trainer.subscribe(timer)`` works too: a subscription has one priority and the timer needs
+    two, so the subscribed timer attaches itself at the first ``train_start`` it receives. The
+    receivers attached then miss that ``train_start``, so its listeners are not timed in that first
+    fit (the fit's wall time is); call :meth:`attach` before the fit to time them as well.
+    :meth:`detach` stops the timer either way, and unsubscribes a subscribed one.
 
     ``load_checkpoint`` is not timed: a receiver of it would make the trainer expect state for
     the timer in every checkpoint it resumes from.
@@ -68,6 +74,8 @@ class Timer:
         >>> timer = Timer().attach(Trainer())
         >>> sorted(timer.summary())[:2]
         ['batch_end', 'batch_start']
+        >>> Trainer().subscribe(Timer())  # attaches at the first train_start
+        'timer_0'
     """
 
     FIRST = sys.maxsize
@@ -104,12 +112,22 @@ class Timer:
         return self
 
     def detach(self) -> None:
-        """Stop timing; what was measured stays."""
-        if self._trainer is not None:
+        """Stop timing, and unsubscribe the timer if it was subscribed; what was measured stays."""
+        trainer = self._trainer
+        if trainer is not None:
             for bracket in self._brackets:
-                self._trainer.unsubscribe(bracket)
+                trainer.unsubscribe(bracket)
+            if trainer.events.subscription_of(self) is not None:
+                trainer.unsubscribe(self)
         self._trainer, self._brackets = None, ()
         self._started.clear()
+
+    def on_train_start(self, trainer: Any) -> None:
+        """Attach to ``trainer`` when subscribed to it (a no-op once attached to it)."""
+        if self._trainer is trainer:
+            return
+        self.attach(trainer)
+        self._fit_started = self.clock()  # the opening receiver attached now misses this event
 
     def reset(self) -> None:
         """Forget what was measured."""
@@ -135,7 +153,8 @@ class Timer:
         signals = {}
         if self._trainer is not None:
             events = self._trainer.events
-            subscriptions = [events.subscription_of(bracket) for bracket in self._brackets]
+            mine = (*self._brackets, self)
+            subscriptions = [events.subscription_of(receiver) for receiver in mine]
             own = {s.key for s in subscriptions if s is not None}
             signals = events.signals
         table = {}
