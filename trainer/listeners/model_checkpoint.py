@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import attrs
 
 from trainer import validators
-from trainer.checkpoint import rank_path
 from trainer.files import fsync_file, fsync_folder
 from trainer.listeners._common import (
     _INT_AT_LEAST_1_OR_NONE,
@@ -22,6 +21,7 @@ from trainer.listeners._common import (
     _improved,
     _monitored,
 )
+from trainer.state import rank_path
 
 __all__ = ["ModelCheckpoint"]
 
