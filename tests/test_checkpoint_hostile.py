@@ -224,12 +224,6 @@ def test_payload_bytes_in_a_tensor_are_only_data(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
-def test_the_checkpoint_module_names_no_unsafe_loader():
-    text = (PACKAGE_ROOT / "trainer" / "checkpoint.py").read_text().lower()
-    for word in ("pickle", "torch.load", "torch.save", "marshal", "eval(", "exec("):
-        assert word not in text, word
-
-
 # -- broken containers ----------------------------------------------------------------------------
 
 

@@ -17,6 +17,15 @@ trainers never see each other's events. Receivers are called with keyword argume
 receives just the keywords its signature names (see :data:`EVENTS` for what each event offers).
 Receivers run in a deterministic order: higher ``priority`` first, then in the order they were
 connected. The trainer holds strong references to them.
+
+Why the dispatch is not blinker's own: blinker keeps receivers in a set-backed mapping, holds weak
+references and passes every receiver the whole payload. Here each receiver gets only the keywords
+it declares, in a fixed order, strongly referenced. So :class:`Events` keeps the one subscription
+registry (a :class:`Subscription` per listener or function, with its receivers per event), and
+each :class:`EventSignal` holds a cache of its receivers in dispatch order, recomputed from that
+registry whenever it changes. blinker still supplies the public surface users know
+(``connect``, ``disconnect``, ``connected_to``, ``connect_via``, ``send``, ``has_receivers_for``,
+``receivers_for``); its internal ``receivers`` mapping stays empty.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -225,18 +234,13 @@ class EventSignal(blinker.Signal):
         """Disconnect a function connected with :meth:`connect`."""
         self._registry.disconnect_function(self.name, receiver)
 
-    def _attach(self, receiver: _Receiver) -> None:
-        super().connect(receiver.call, blinker.ANY, weak=False)
-        self._reorder((*self._ordered, receiver))
+    def has_receivers_for(self, sender: Any) -> bool:
+        """Whether any receiver is connected (every receiver takes events from the owner)."""
+        return self.active
 
-    def _detach(self, receiver: _Receiver) -> None:
-        receiver.live = False
-        super().disconnect(receiver.call, blinker.ANY)
-        self._reorder(tuple(r for r in self._ordered if r is not receiver))
-
-    def _reorder(self, receivers: tuple[_Receiver, ...]) -> None:
-        self._ordered = tuple(sorted(receivers, key=lambda r: (-r.priority, r.seq)))
-        self.active = bool(self._ordered)
+    def receivers_for(self, sender: Any) -> Iterator[Callable[..., Any]]:  # type: ignore[override]
+        """The connected callables, in dispatch order."""
+        return iter([r.call for r in self._ordered])
 
     @property
     def ordered_receivers(self) -> list[tuple[str, Callable[..., Any]]]:
@@ -336,8 +340,8 @@ class Events:
         """How many events are being dispatched right now (nested sends count)."""
         self.deferred: list[Callable[[], Any]] = []
         self._counter = itertools.count()
-        self._by_key: dict[str, Subscription] = {}
-        self._by_id: dict[int, Subscription] = {}
+        self._subscriptions: dict[int, Subscription] = {}
+        """The one registry: every subscription by the id of its target, in subscription order."""
         self.signals: dict[str, EventSignal] = {
             name: EventSignal(spec, self) for name, spec in EVENTS.items()
         }
@@ -368,11 +372,12 @@ class Events:
 
     def subscriptions(self) -> list[Subscription]:
         """Every subscription in dispatch order (descending priority, then subscription order)."""
-        return sorted(self._by_key.values(), key=lambda s: (-s.priority, s.seq))
+        return sorted(self._subscriptions.values(), key=lambda s: (-s.priority, s.seq))
 
     def subscription_of(self, target: Any) -> Subscription | None:
         """The subscription of a listener or function, or None."""
-        return self._by_id.get(id(target))
+        subscription = self._subscriptions.get(id(target))
+        return subscription if subscription is not None and subscription.target is target else None
 
     def subscribe(
         self,
@@ -412,8 +417,8 @@ class Events:
         """
         if not callable(function):
             raise SubscriptionError(f"can only connect callables to {event!r}, got {function!r}")
-        existing = self._by_id.get(id(function))
-        if existing is None or existing.target is not function:
+        existing = self.subscription_of(function)
+        if existing is None:
             return self._add(function, {event: function}, priority, name)
         if event in existing.receivers:
             raise SubscriptionError(f"{_describe(function)} is already connected to {event!r}")
@@ -424,27 +429,29 @@ class Events:
             )
         receiver = self._make_receiver(function, event, existing.key, priority)
         existing.receivers[event] = receiver
-        self.signals[event]._attach(receiver)
+        self._refresh([event])
         return existing.key
 
     def disconnect_function(self, event: str, function: Callable[..., Any]) -> None:
         """Disconnect ``function`` from one event."""
-        subscription = self._by_id.get(id(function))
+        subscription = self.subscription_of(function)
         if subscription is None or event not in subscription.receivers:
             raise SubscriptionError(f"{_describe(function)} is not connected to {event!r}")
         if len(subscription.receivers) == 1:
             self.unsubscribe(function)
             return
-        self.signals[event]._detach(subscription.receivers.pop(event))
+        subscription.receivers.pop(event).live = False
+        self._refresh([event])
 
     def unsubscribe(self, target: Any) -> None:
         """Disconnect every receiver of a listener or function; it receives nothing more."""
-        subscription = self._by_id.pop(id(target), None)
+        subscription = self.subscription_of(target)
         if subscription is None:
             raise SubscriptionError(f"{_describe(target)} is not subscribed to this trainer")
-        del self._by_key[subscription.key]
-        for event, receiver in subscription.receivers.items():
-            self.signals[event]._detach(receiver)
+        del self._subscriptions[id(target)]
+        for receiver in subscription.receivers.values():
+            receiver.live = False  # an event being dispatched right now skips it
+        self._refresh(subscription.receivers)
 
     def _add(
         self,
@@ -456,7 +463,7 @@ class Events:
     ) -> str:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise SubscriptionError(f"priority must be an int, got {priority!r}")
-        existing = self._by_id.get(id(target))
+        existing = self.subscription_of(target)
         if existing is not None:
             raise SubscriptionError(
                 f"{_describe(target)} is already subscribed as {existing.key!r}; unsubscribe it "
@@ -470,11 +477,22 @@ class Events:
             receiver = self._make_receiver(call, event, key, priority, seq)
             receiver.rank_zero = runs_on == "rank_zero"
             subscription.receivers[event] = receiver
-        self._by_key[key] = subscription
-        self._by_id[id(target)] = subscription
-        for event, receiver in subscription.receivers.items():
-            self.signals[event]._attach(receiver)
+        self._subscriptions[id(target)] = subscription
+        self._refresh(subscription.receivers)
         return key
+
+    def _refresh(self, events: Iterable[str]) -> None:
+        """Recompute the dispatch order of ``events`` from the registry."""
+        for event in events:
+            receivers = [
+                s.receivers[event] for s in self._subscriptions.values() if event in s.receivers
+            ]
+            signal = self.signals[event]
+            signal._ordered = tuple(sorted(receivers, key=lambda r: (-r.priority, r.seq)))
+            signal.active = bool(signal._ordered)
+
+    def _by_key(self, key: str) -> Subscription | None:
+        return next((s for s in self._subscriptions.values() if s.key == key), None)
 
     def _key_for(self, target: Any, name: str | None) -> str:
         if name is not None:
@@ -483,10 +501,11 @@ class Events:
                     f"listener name {name!r} is not valid: use letters, digits, '_' and '-', "
                     "starting with a letter or '_' (no dots: they separate checkpoint keys)"
                 )
-            if name in self._by_key:
+            taken = self._by_key(name)
+            if taken is not None:
                 raise SubscriptionError(
                     f"the name {name!r} is already taken by "
-                    f"{_describe(self._by_key[name].target)}; give each listener a distinct name"
+                    f"{_describe(taken.target)}; give each listener a distinct name"
                 )
             return name
         if _is_listener_object(target):
@@ -496,7 +515,7 @@ class Events:
         base = snake_case(base)
         for i in itertools.count():  # pragma: no branch - always returns
             key = f"{base}_{i}"
-            if key not in self._by_key:
+            if self._by_key(key) is None:
                 return key
         raise AssertionError("unreachable")  # pragma: no cover
 
