@@ -87,6 +87,7 @@ class Crash:
         (lambda: EarlyStopping(min_delta=math.nan), "min_delta", "nan"),
         (lambda: EarlyStopping(mode="up"), "mode", "'up'"),
         (lambda: LearningRateMonitor(log_every_n_steps=0), "log_every_n_steps", "0"),
+        (lambda: LearningRateMonitor(max_history=0), "max_history", "0"),
         (lambda: ProgressBar(log_every_n_steps=0), "log_every_n_steps", "0"),
     ],
 )
@@ -513,6 +514,36 @@ def test_learning_rate_monitor_records_the_rate_each_step_used():
     # Step s trains with 0.5 ** (s - 1) times the initial rates.
     assert monitor.history == [(s, [0.5 ** (s - 1), 0.5**s]) for s in (2, 4, 6)]
     assert monitor.last == [0.5**5, 0.5**6]
+
+
+def _record_steps(monitor, steps):
+    """Drive ``monitor`` through ``steps`` batches of one SGD group whose rate is 1 / step."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    state = Trainer().state
+    for step in range(1, steps + 1):
+        optimizer.param_groups[0]["lr"] = 1.0 / step
+        state.global_step = step - 1  # the batch that completes global step `step`
+        monitor.on_batch_start(state=state, optimizer=optimizer)
+
+
+def test_learning_rate_monitor_history_keeps_only_the_latest_records():
+    monitor = LearningRateMonitor()
+    _record_steps(monitor, 25_000)
+    assert monitor.max_history == 1000
+    assert len(monitor.history) == 1000
+    assert [step for step, _ in monitor.history] == list(range(24_001, 25_001))
+    assert monitor.last == [1.0 / 25_000]
+
+    few = LearningRateMonitor(log_every_n_steps=2, max_history=3)
+    _record_steps(few, 12)
+    assert few.history == [(s, [1.0 / s]) for s in (8, 10, 12)]
+    few.max_history = 2  # a smaller bound applies at the next record
+    _record_steps(few, 2)
+    assert few.history == [(12, [1.0 / 12]), (2, [0.5])]
+
+    unbounded = LearningRateMonitor(max_history=None)
+    _record_steps(unbounded, 1500)
+    assert len(unbounded.history) == 1500
 
 
 # -- Timer ---------------------------------------------------------------------------------------
