@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ schema items).
 from __future__ import annotations
 
 import math
+import os
 
 import attrs
 import pytest
@@ -153,7 +154,7 @@ def test_a_later_listener_refusing_its_state_puts_the_earlier_ones_back(tmp_path
 
 
 def test_a_refused_load_with_new_objects_keeps_the_attached_ones(tmp_path):
-    trainer, model, _, second, path = _trained_with_counters(tmp_path)
+    trainer, _, _, second, path = _trained_with_counters(tmp_path)
     other = make_model(seed=1)
     other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
     second.refuse = True
@@ -298,3 +299,56 @@ def test_a_learning_rate_that_is_not_a_number_is_refused(tmp_path):
 def test_checkpoint_error_is_the_base_of_every_refusal():
     assert issubclass(CheckpointFormatError, CheckpointError)
     assert issubclass(CheckpointMismatchError, CheckpointError)
+
+
+# -- temporary files and full disks ----------------------------------------------------------------
+
+
+def _temporary(folder, target: str, pid: int) -> object:
+    from trainer.checkpoint import _host
+
+    path = folder / f".{target}.{_host()}.{pid}.abc123.tmp"
+    path.write_bytes(b"half a checkpoint")
+    return path
+
+
+def test_the_next_save_removes_temporaries_of_killed_saves_but_not_of_live_ones(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(dead.stdout)
+    stale = _temporary(tmp_path, "ckpt.safetensors", dead_pid)
+    live = _temporary(tmp_path, "ckpt.safetensors", os.getpid())
+    other_target = _temporary(tmp_path, "other.safetensors", dead_pid)
+    write_checkpoint(tmp_path / "ckpt.safetensors", {"w": torch.ones(2)})
+    assert not stale.exists()
+    assert live.exists() and other_target.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "ckpt.safetensors"
+    ]
+
+
+def test_a_full_disk_is_a_checkpoint_error_and_leaves_the_previous_file(tmp_path, monkeypatch):
+    import safetensors
+
+    import trainer.checkpoint as checkpoint
+
+    path = tmp_path / "ckpt.safetensors"
+    write_checkpoint(path, {"w": torch.ones(2)})
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError(
+            "Error while serializing: IoError(No space left on device)"
+        )
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(CheckpointError, match="No space left"):
+        write_checkpoint(path, {"w": torch.zeros(2)})
+    assert torch.equal(read_checkpoint(path)["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]

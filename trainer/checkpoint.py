@@ -49,12 +49,14 @@ file older than the rank files, which :func:`merge_rank_state` refuses with a cl
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import reprlib
+import socket
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -335,7 +337,8 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    _remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=folder)
     os.close(fd)
     try:
         save_file(encoder.tensors, tmp, metadata=metadata)
@@ -347,10 +350,50 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, (OSError, RuntimeError, ValueError)):
+        if isinstance(exc, (OSError, RuntimeError, ValueError, safetensors.SafetensorError)):
             raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
         raise
     fsync_folder(folder)
+
+
+# A temporary file is named after its target, host and process: .TARGET.HOST.PID.RANDOM.tmp.
+# The next save of the same target removes the ones whose process is gone (killed mid-save), and
+# never those of a live writer.
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def _temporary_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.{_host()}.{os.getpid()}."
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete temporary files of earlier saves of ``path`` whose writer on this host died."""
+    folder = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(
+        rf"^\.{re.escape(os.path.basename(path))}\.{re.escape(_host())}\.(\d+)\.[^.]+\.tmp$"
+    )
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return  # no folder yet: nothing stale
+    for entry in entries:
+        match = pattern.match(entry)
+        if match and not _process_alive(int(match.group(1))):
+            with contextlib.suppress(OSError):  # another saver removed it first
+                os.unlink(os.path.join(folder, entry))
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
