@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -13,24 +12,6 @@ from trainer import validators
 from trainer.listeners._common import _METRIC_NAME, _improved, _monitored
 
 __all__ = ["EarlyStopping"]
-
-
-def _real_at_least(low: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """A validator for finite real numbers ``>= low``, in the words "a finite number >= low".
-
-    :func:`trainer.validators.real_in_range` checks the same but words the range as an interval
-    (``[0, inf)``); this keeps the ``>=`` that the message has always had, on the shared checks.
-    """
-    what = f"a finite number >= {low}"
-
-    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if validators.is_real(value) and value >= low:
-            return
-        wrong_type = not isinstance(value, numbers.Real) or isinstance(value, bool)
-        error = validators.WrongTypeError if wrong_type else ValueError
-        raise error(f"{validators.field_name(instance, attribute)} must be {what}, got {value!r}")
-
-    return validate
 
 
 @attrs.define(eq=False)
@@ -65,7 +46,7 @@ class EarlyStopping:
     )
     mode: str = attrs.field(default="min", validator=validators.one_of("min", "max"))
     patience: int = attrs.field(default=3, validator=validators.int_at_least(1))
-    min_delta: float = attrs.field(default=0.0, validator=_real_at_least(0.0))
+    min_delta: float = attrs.field(default=0.0, validator=validators.real_in_range(0.0))
     check_finite: bool = attrs.field(default=True, validator=validators.boolean)
     best_score: float | None = attrs.field(init=False, default=None)
     """The best value seen in this fit, or None."""
