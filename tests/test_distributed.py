@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from renate_events.learners import ExperienceReplayLearner, FineTuningLearner
 from trainer import CheckpointMismatchError, TensorLoader, Trainer
 from trainer.checkpoint import read_checkpoint
-from trainer.state import rank_path
 from trainer.distributed import DistributedContext, RankFailedError
 from trainer.exceptions import SubscriptionError
+from trainer.state import rank_path
 
 WORLD = 2
 DEADLINE_S = 60
