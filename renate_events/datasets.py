@@ -41,6 +41,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import TensorDataset
 
+from trainer import validators
+
 __all__ = [
     "load_cifar10",
     "load_digits",
@@ -250,7 +252,7 @@ def reshape_inputs(dataset: TensorDataset, shape: Sequence[int]) -> TensorDatase
         )
     inputs, targets = dataset.tensors
     shape = tuple(shape)
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+    if not all(validators.is_int(s) for s in shape):
         raise ValueError(f"shape must be a sequence of ints, got {shape!r}")
     features = math.prod(inputs.shape[1:])
     known = math.prod(s for s in shape if s != -1)
@@ -468,7 +470,7 @@ def _to_float(images: torch.Tensor, flatten: bool) -> torch.Tensor:
 
 def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise validators.WrongTypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _describe(value: object) -> str:

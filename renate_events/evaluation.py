@@ -44,6 +44,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.learners import forward
+from trainer import validators
+from trainer.data import to_device
 
 __all__ = [
     "AccuracyMatrix",
@@ -111,10 +113,8 @@ def evaluate(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"evaluate: model must be a torch.nn.Module, got {type(model).__name__}")
-    if mode not in _MODES:
-        raise ValueError(f"evaluate: mode must be one of {_MODES}, got {mode!r}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
+    validators.check_one_of("evaluate: mode", mode, _MODES)
+    validators.check_int("evaluate: batch_size", batch_size, 1)
     tasks = list(tasks)
     for index, task in enumerate(tasks):
         if not hasattr(task, "test") or not hasattr(task, "classes"):
@@ -154,7 +154,7 @@ def _accuracy(
     allowed: torch.Tensor | None = None
     for inputs, targets in _batches(task.test, batch_size, name):
         targets = targets.to(device)
-        logits = forward(model, _move(inputs, device))
+        logits = forward(model, to_device(inputs, device))
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(
@@ -194,16 +194,6 @@ def _batches(data: Any, batch_size: int, name: str) -> Iterator[tuple[Any, torch
                 f"{type(batch).__name__}"
             )
         yield batch[0], batch[1]
-
-
-def _move(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {key: _move(item, device) for key, item in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_move(item, device) for item in value)
-    return value
 
 
 def _class_mask(
@@ -425,10 +415,7 @@ def _update_index(rows: list[list[float]], after: Any, metric: str) -> int:
                 "or pass after=<update index>"
             )
         return len(rows) - 1
-    if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after < len(rows):
-        raise ValueError(
-            f"{metric}: after must be the index of an update in [0, {len(rows)}), got {after!r}"
-        )
+    validators.check_int(f"{metric}: after (the index of an update)", after, 0, len(rows))
     return after
 
 
@@ -487,7 +474,7 @@ def micro_average_accuracy(
     valid = (
         isinstance(sizes, list)
         and len(sizes) == len(rows[0])
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+        and all(validators.is_int(n) and n >= 0 for n in sizes)
     )
     if not valid:
         raise ValueError(

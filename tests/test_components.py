@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import renate_events.components as comps
+import renate_events.memory as memory
 from renate_events.components import (
     Component,
     ReinitializationComponent,
@@ -48,6 +49,10 @@ def make_batch(inputs, targets, **metadata):
 def test_all_exports_resolve():
     for name in comps.__all__:
         assert getattr(comps, name) is not None
+
+
+def test_one_batch_memory_type_for_buffers_and_components():
+    assert comps.BatchMemory is memory.BatchMemory
 
 
 @pytest.mark.parametrize("cls", COMPONENT_CLASSES, ids=lambda c: c.__name__)

@@ -263,6 +263,50 @@ def test_to_device_keeps_contents() -> None:
     assert_tree_equal(before, buffer.state_dict())
 
 
+def test_sampling_state_takes_back_draws_and_nothing_else() -> None:
+    buffer = ReservoirBuffer(16, seed=3)
+    stream(buffer, [20])
+    state = buffer.sampling_state()
+    first = buffer.sample(4)
+    kept = buffer.state_dict()
+    buffer.set_sampling_state(state)
+    assert_tree_equal(buffer.sample(4), first)
+    after = buffer.state_dict()
+    assert torch.equal(after["generator_state"], kept["generator_state"])  # updates untouched
+    assert_tree_equal(after["inputs"], kept["inputs"])
+    assert not torch.equal(state, kept["sample_generator_state"])  # the draw did advance it
+    with pytest.raises(ValueError, match="set_sampling_state"):
+        buffer.set_sampling_state(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_samples_on_storage_device_is_true_for_the_stock_sample_only() -> None:
+    @attrs.define(eq=False)
+    class OwnSample(ReservoirBuffer):
+        def sample(self, batch_size: int) -> Any:
+            return super().sample(batch_size)
+
+    assert ReservoirBuffer(4).samples_on_storage_device
+    assert InfiniteBuffer().samples_on_storage_device
+    assert not OwnSample(4).samples_on_storage_device
+
+
+def test_infinite_buffer_truncate_takes_back_the_latest_samples() -> None:
+    buffer = InfiniteBuffer(initial_capacity=4, seed=1)
+    stream(buffer, [3])
+    before = buffer.state_dict()
+    stream(buffer, [5], start=3)
+    buffer.truncate(3)
+    assert_tree_equal(buffer.state_dict(), before)
+    stream(buffer, [2], start=50)
+    assert buffer.dataset()[4][1].item() == 51 % 3
+    buffer.truncate(0)  # nothing left: the next batch may have another layout
+    assert len(buffer) == 0 and buffer.capacity == 0
+    buffer.update(torch.zeros(2, 7), torch.zeros(2))
+    for bad, error in ((6, ValueError), (-1, ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="truncate"):
+            buffer.truncate(bad)
+
+
 # ------------------------------------------------------------------------------------ statistics
 
 

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
+
+from trainer import validators
 
 #: Seeds accepted by ``torch.Generator.manual_seed`` (non-negative part).
 SEED_LIMIT = 2**64
+
+
+def check_seed(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator of a component's seed: an int in ``[0, SEED_LIMIT)``.
+
+    Raises:
+        WrongTypeError: ``value`` is not an int.
+        ValueError: ``value`` is out of range.
+    """
+    name = f"{validators.field_name(instance, attribute)} (an integer seed)"
+    validators.check_int(name, value, 0, SEED_LIMIT)
 
 
 def new_generator(seed: int) -> torch.Generator:

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from renate_events.components import _rng
-from renate_events.components import _validation as v
-from renate_events.components.component import BatchMemory, Inputs
+from renate_events.components.component import BatchMemory, Inputs, _real_from
 from renate_events.components.features import copy_without_hooks
 from renate_events.components.losses import WeightedLossComponent
+from trainer import validators as v
 
 _CHECKPOINT_MODELS = ("plastic_model", "stable_model")
 
@@ -75,7 +75,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
         1
     """
 
-    weight: float = attrs.field(default=0.1, validator=v.real_in_range(0.0))
+    weight: float = attrs.field(default=0.1, validator=_real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
     stable_model_update_weight: float = attrs.field(
         default=0.999,
@@ -111,7 +111,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
     )
     seed: int = attrs.field(
         default=0,
-        validator=v.integer_in_range(0, _rng.SEED_LIMIT),
+        validator=_rng.check_seed,
         on_setattr=attrs.setters.frozen,
     )
     _iteration: int = attrs.field(init=False, default=0, repr=False)

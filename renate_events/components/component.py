@@ -3,21 +3,39 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Union
 
 import attrs
 import torch
 from torch import nn
 
-from renate_events.components import _validation as v
+from renate_events.memory import BatchMemory
+from trainer import validators as v
+
+__all__ = ["BatchMemory", "Component", "Inputs"]
 
 #: Model inputs: a tensor, or a (nested) tuple/dict of tensors.
 Inputs = Union[torch.Tensor, tuple[Any, ...], Mapping[str, Any]]
-#: A batch drawn from the memory buffer: ``((inputs, targets), metadata)``. ``metadata`` holds
-#: ``"idx"`` (buffer slot indices) and, where stored, ``"logits"`` and
-#: ``"intermediate_representation_{i}"``.
-BatchMemory = tuple[tuple[Inputs, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def _real_from(low: float, *, low_open: bool = False) -> Callable[[Any, Any, Any], None]:
+    """``trainer.validators.real_in_range(low, low_open=...)``, its message giving the allowed
+    values as an interval, as the components' always have: ``Component.weight must be a real
+    number in [0, inf), got -1``."""
+    check = v.real_in_range(low, low_open=low_open)
+    interval = f"{'(' if low_open else '['}{low:g}, inf)"
+
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        try:
+            check(instance, attribute, value)
+        except ValueError as error:  # WrongTypeError included: it is a ValueError too
+            raise type(error)(
+                f"{v.field_name(instance, attribute)} must be a real number in {interval}, "
+                f"got {value!r}"
+            ) from None
+
+    return validate
 
 
 @attrs.define(eq=False)
@@ -47,7 +65,7 @@ class Component(abc.ABC):  # noqa: B024 - abstract by intent; every hook is opti
         (1, tensor(0.))
     """
 
-    weight: float = attrs.field(default=0.0, validator=v.real_in_range(0.0))
+    weight: float = attrs.field(default=0.0, validator=_real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def loss(

@@ -10,8 +10,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from renate_events.components import _validation as v
-from renate_events.components.component import BatchMemory, Component
+from renate_events.components.component import BatchMemory, Component, _real_from
+from trainer import validators as v
 
 #: The pooling variants of :class:`WeightedPooledOutputDistillationLossComponent`.
 DISTILLATION_TYPES = ("pixel", "channel", "width", "height", "gap", "spatial")
@@ -29,7 +29,7 @@ class WeightedLossComponent(Component):
         sample_new_memory_batch: Whether the loop should draw a fresh memory batch for this loss.
     """
 
-    weight: float = attrs.field(default=1.0, validator=v.real_in_range(0.0))
+    weight: float = attrs.field(default=1.0, validator=_real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def loss(
@@ -77,9 +77,9 @@ class WeightedCustomLossComponent(WeightedLossComponent):
     """
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = attrs.field(
-        validator=v.is_callable
+        validator=v.is_callable("(outputs, targets) -> loss tensor")
     )
-    weight: float = attrs.field(default=1.0, validator=v.real_in_range(0.0))
+    weight: float = attrs.field(default=1.0, validator=_real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def _component_loss(
@@ -178,7 +178,7 @@ class WeightedPooledOutputDistillationLossComponent(WeightedLossComponent):
         tensor(0.)
     """
 
-    distillation_type: str = attrs.field(default="spatial", validator=v.one_of(DISTILLATION_TYPES))
+    distillation_type: str = attrs.field(default="spatial", validator=v.one_of(*DISTILLATION_TYPES))
     normalize: bool = attrs.field(default=True, validator=v.boolean)
 
     def _component_loss(

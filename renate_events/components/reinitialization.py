@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from renate_events.components import _rng
-from renate_events.components import _validation as v
-from renate_events.components.component import Component
+from renate_events.components.component import Component, _real_from
+from trainer import validators as v
 
 
 @attrs.define(eq=False)
@@ -66,14 +66,14 @@ class ShrinkAndPerturbReinitializationComponent(Component):
         tensor([[0.5000, 0.5000]], requires_grad=True)
     """
 
-    shrink_factor: float = attrs.field(validator=v.real_in_range(0.0, low_open=True))
-    sigma: float = attrs.field(validator=v.real_in_range(0.0))
+    shrink_factor: float = attrs.field(validator=_real_from(0.0, low_open=True))
+    sigma: float = attrs.field(validator=_real_from(0.0))
     seed: int = attrs.field(
         default=0,
-        validator=v.integer_in_range(0, _rng.SEED_LIMIT),
+        validator=_rng.check_seed,
         on_setattr=attrs.setters.frozen,
     )
-    weight: float = attrs.field(default=0.0, validator=v.real_in_range(0.0))
+    weight: float = attrs.field(default=0.0, validator=_real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
     _generator: torch.Generator = attrs.field(init=False, default=None, repr=False)
 

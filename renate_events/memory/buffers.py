@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from renate_events.memory import _structure
+from trainer import validators
 
 __all__ = [
     "BatchMemory",
@@ -38,8 +39,11 @@ __all__ = [
     "SlidingWindowBuffer",
 ]
 
-BatchMemory = tuple[tuple[Any, torch.Tensor], dict[str, torch.Tensor]]
-"""What :meth:`DataBuffer.sample` returns: ``((inputs, targets), metadata)``."""
+BatchMemory = tuple[tuple[Any, torch.Tensor], Mapping[str, torch.Tensor]]
+"""A memory batch, as :meth:`DataBuffer.sample` returns it and components receive it:
+``((inputs, targets), metadata)``. ``metadata`` holds ``"idx"`` (the slots) and every stored key;
+the learners store ``"logits"`` and, with ``feature_modules``, ``"intermediate_representation_{i}"``
+(their memory batches also offer the logits under Renate's key ``"outputs"``)."""
 
 STATE_FORMAT_VERSION = 1
 """Version of the layout written by :meth:`DataBuffer.state_dict`."""
@@ -85,27 +89,8 @@ def _indices_to(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
     return indices.to(device)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int_arg(name: str, value: Any, low: int, high: int | None = None) -> None:
-    """Raise TypeError/ValueError naming ``name`` unless ``value`` is an int in ``[low, high)``."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    if value < low or (high is not None and value >= high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
-
-
-def _int_validator(low: int, high: int | None = None) -> Any:
-    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        _check_int_arg(attribute.name, value, low, high)
-
-    return validate
-
-
-def _to_device(value: Any) -> torch.device:
+def _as_device(value: Any) -> torch.device:
+    """Resolve a ``device`` argument (a str or a ``torch.device``) to a ``torch.device``."""
     if isinstance(value, torch.device):
         return value
     if isinstance(value, str):
@@ -220,7 +205,7 @@ def _check_batch_tensor(
     return value
 
 
-def _check_generator_state(value: Any, key: str) -> torch.Tensor:
+def _check_generator_state(value: Any, where: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
         got = (
             f"a {value.dtype} tensor of shape {_shape(value)}"
@@ -228,14 +213,13 @@ def _check_generator_state(value: Any, key: str) -> torch.Tensor:
             else type(value).__name__
         )
         raise ValueError(
-            f"state[{key!r}]: expected a 1-D uint8 tensor from torch.Generator.get_state(), "
-            f"got {got}"
+            f"{where}: expected a 1-D uint8 tensor from torch.Generator.get_state(), got {got}"
         )
     value = value.detach().cpu().contiguous()
     try:
         torch.Generator().set_state(value)
     except RuntimeError as exc:
-        raise ValueError(f"state[{key!r}]: not a valid CPU generator state ({exc})") from exc
+        raise ValueError(f"{where}: not a valid CPU generator state ({exc})") from exc
     return value
 
 
@@ -305,13 +289,13 @@ class DataBuffer(abc.ABC):
     seed: int = attrs.field(
         default=0,
         kw_only=True,
-        validator=_int_validator(0, 2**64),
+        validator=validators.int_at_least(0, 2**64),
         on_setattr=attrs.setters.frozen,
     )
     device: torch.device = attrs.field(
         default=torch.device("cpu"),
         kw_only=True,
-        converter=_to_device,
+        converter=_as_device,
         validator=_check_device,
         on_setattr=attrs.setters.frozen,
     )
@@ -491,7 +475,7 @@ class DataBuffer(abc.ABC):
         Raises:
             RuntimeError: When the buffer is empty.
         """
-        _check_int_arg("batch_size", batch_size, 1)
+        validators.check_int(f"{type(self).__name__}.sample: batch_size", batch_size, 1)
         if self._length == 0:
             raise RuntimeError(
                 f"cannot sample from an empty {type(self).__name__}: call update() first"
@@ -506,6 +490,33 @@ class DataBuffer(abc.ABC):
         for key, stored in self._metadata.items():
             metadata[key] = stored.index_select(0, idx)
         return (inputs, targets), metadata
+
+    @property
+    def samples_on_storage_device(self) -> bool:
+        """Whether :meth:`sample` returns its tensors on :attr:`device` (its batch needs no copy
+        there).
+
+        True for :class:`DataBuffer`'s own ``sample``; a subclass that overrides ``sample`` gets
+        False unless it overrides this property too.
+        """
+        return type(self).sample is DataBuffer.sample
+
+    def sampling_state(self) -> torch.Tensor:
+        """A copy of the sampling generator's state (a uint8 tensor), for
+        :meth:`set_sampling_state`.
+
+        Lets a caller take back draws: the learners put it back when the first step of an update
+        fails. A subclass whose ``sample`` draws from other generators overrides both methods.
+        """
+        return self._sample_generator.get_state()
+
+    def set_sampling_state(self, state: torch.Tensor) -> None:
+        """Put the sampling generator back to a state returned by :meth:`sampling_state`.
+
+        Raises:
+            ValueError: ``state`` is not a state of a CPU ``torch.Generator``.
+        """
+        self._sample_generator.set_state(_check_generator_state(state, "set_sampling_state"))
 
     def get_metadata(self, key: str, idx: torch.Tensor) -> torch.Tensor:
         """Return a copy of the metadata ``key`` of the slots ``idx``.
@@ -577,7 +588,7 @@ class DataBuffer(abc.ABC):
 
         The random generators stay on the CPU, so draws do not change.
         """
-        device = _to_device(device)
+        device = _as_device(device)
         _check_device(self, attrs.fields(DataBuffer).device, device)
         self._inputs = [t.to(device) for t in self._inputs]
         if self._targets is not None:
@@ -630,8 +641,7 @@ class DataBuffer(abc.ABC):
         self._generator.set_state(parsed.generator_state)
         self._sample_generator.set_state(parsed.sample_generator_state)
         if parsed.spec is None:
-            self._spec, self._input_names, self._inputs = None, [], []
-            self._targets, self._metadata, self._capacity = None, {}, 0
+            self._release_storage()
         else:
             parsed_targets = cast(torch.Tensor, parsed.targets)
             self._allocate(
@@ -759,6 +769,11 @@ class DataBuffer(abc.ABC):
         self._inputs, self._targets, self._metadata = inputs, targets, metadata
         self._capacity = capacity
 
+    def _release_storage(self) -> None:
+        """Back to no storage at all, as before the first update (the next batch fixes it)."""
+        self._spec, self._input_names, self._inputs = None, [], []
+        self._targets, self._metadata, self._capacity = None, {}, 0
+
     def _storage(self) -> list[torch.Tensor]:
         """Every storage tensor: input leaves, targets, metadata (only once allocated)."""
         return [*self._inputs, cast(torch.Tensor, self._targets), *self._metadata.values()]
@@ -788,6 +803,24 @@ class DataBuffer(abc.ABC):
             stored.index_copy_(0, device_slots, source)
 
     def _parse_state(self, state: Any) -> _ParsedState:
+        self._check_state_header(state)
+        seed = self._parse_config(state["config"])
+        num_seen, length = self._parse_counts(state["num_seen"], state["length"])
+        generator_state = _check_generator_state(
+            state["generator_state"], "state['generator_state']"
+        )
+        sample_generator_state = _check_generator_state(
+            state["sample_generator_state"], "state['sample_generator_state']"
+        )
+        spec, inputs, targets, metadata = self._parse_storage(state, length)
+        extra = self._parse_extra_state(state["extra"], targets, length)
+        return _ParsedState(
+            seed, num_seen, length, generator_state, sample_generator_state, spec, inputs,
+            targets, metadata, extra,
+        )  # fmt: skip
+
+    def _check_state_header(self, state: Any) -> None:
+        """The keys, the format version and the buffer type of a state dict."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"state must be a mapping from state_dict(), got {type(state).__name__}"
@@ -808,26 +841,27 @@ class DataBuffer(abc.ABC):
                 f"state['buffer_type']: this is a {type(self).__name__}, the state was written "
                 f"by {state['buffer_type']!r}"
             )
-        config = state["config"]
+
+    def _parse_config(self, config: Any) -> int:
+        """The seed of ``state['config']``, whose size arguments must be this buffer's."""
         own = {"seed": None, **self._config()}
         if not isinstance(config, Mapping) or set(config) != set(own):
             raise ValueError(
                 f"state['config']: expected a dict with keys {sorted(own)}, got {config!r}"
             )
         seed = config["seed"]
-        try:
-            _check_int_arg("state['config']['seed']", seed, 0, 2**64)
-        except TypeError as exc:
-            raise ValueError(str(exc)) from exc
+        validators.check_int("state['config']['seed']", seed, 0, 2**64)  # a ValueError either way
         for key, value in self._config().items():
             if config[key] != value:
                 raise ValueError(
                     f"state['config'][{key!r}]: the state was written by a buffer with "
                     f"{key}={config[key]!r}, this buffer has {key}={value!r}"
                 )
-        num_seen, length = state["num_seen"], state["length"]
+        return seed
+
+    def _parse_counts(self, num_seen: Any, length: Any) -> tuple[int, int]:
         for key, value in (("num_seen", num_seen), ("length", length)):
-            if not _is_int(value) or value < 0:
+            if not validators.is_int(value) or value < 0:
                 raise ValueError(f"state[{key!r}]: expected an int >= 0, got {value!r}")
         bound = self._bound()
         expected_length = num_seen if bound is None else min(bound, num_seen)
@@ -836,10 +870,14 @@ class DataBuffer(abc.ABC):
                 f"state['length']: expected {expected_length} for num_seen={num_seen} "
                 f"(max_size={bound}), got {length}"
             )
-        generator_state = _check_generator_state(state["generator_state"], "generator_state")
-        sample_generator_state = _check_generator_state(
-            state["sample_generator_state"], "sample_generator_state"
-        )
+        return num_seen, length
+
+    def _parse_storage(
+        self, state: Mapping[str, Any], length: int
+    ) -> tuple[
+        dict[str, Any] | None, list[torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]
+    ]:
+        """The inputs structure and the stored tensors, ``length`` rows each."""
         raw_spec, inputs, targets, metadata = (
             state["inputs_structure"],
             state["inputs"],
@@ -856,12 +894,7 @@ class DataBuffer(abc.ABC):
                     "state['inputs_structure']: None (nothing stored yet) requires length 0, "
                     "no inputs, targets None and no metadata"
                 )
-            spec = None
-            extra = self._parse_extra_state(state["extra"], None, 0)
-            return _ParsedState(
-                seed, num_seen, length, generator_state, sample_generator_state, None, [], None,
-                {}, extra,
-            )  # fmt: skip
+            return None, [], None, {}
         spec = _structure.validate_spec(raw_spec, "state['inputs_structure']")
         names = _structure.leaf_names(spec, "inputs")
         if len(inputs) != len(names):
@@ -879,11 +912,7 @@ class DataBuffer(abc.ABC):
             if not isinstance(key, str) or key == "idx":
                 raise ValueError(f"state['metadata']: invalid key {key!r}")
             parsed_meta[key] = _check_state_tensor(value, f"state['metadata'][{key!r}]", length)
-        extra = self._parse_extra_state(state["extra"], targets, length)
-        return _ParsedState(
-            seed, num_seen, length, generator_state, sample_generator_state, spec, inputs,
-            targets, parsed_meta, extra,
-        )  # fmt: skip
+        return spec, inputs, targets, parsed_meta
 
 
 # --------------------------------------------------------------------------------------------
@@ -895,7 +924,9 @@ class DataBuffer(abc.ABC):
 class _BoundedBuffer(DataBuffer):
     """A buffer holding at most ``max_size`` samples in storage allocated once."""
 
-    max_size: int = attrs.field(validator=_int_validator(1), on_setattr=attrs.setters.frozen)
+    max_size: int = attrs.field(
+        validator=validators.int_at_least(1), on_setattr=attrs.setters.frozen
+    )
 
     def _bound(self) -> int:
         return self.max_size
@@ -1120,14 +1151,14 @@ class GreedyClassBalancingBuffer(_BoundedBuffer):
         order, counts, slots = extra["class_order"], extra["class_counts"], extra["class_slots"]
         if (
             not isinstance(order, (list, tuple))
-            or not all(_is_int(c) for c in order)
+            or not all(validators.is_int(c) for c in order)
             or len(set(order)) != len(order)
         ):
             raise ValueError(f"{where}['class_order']: expected distinct int labels, got {order!r}")
         if (
             not isinstance(counts, (list, tuple))
             or len(counts) != len(order)
-            or not all(_is_int(n) and n >= 1 for n in counts)
+            or not all(validators.is_int(n) and n >= 1 for n in counts)
             or sum(counts) != length
         ):
             raise ValueError(
@@ -1199,9 +1230,32 @@ class InfiniteBuffer(DataBuffer):
     initial_capacity: int = attrs.field(
         default=1024,
         kw_only=True,
-        validator=_int_validator(1),
+        validator=validators.int_at_least(1),
         on_setattr=attrs.setters.frozen,
     )
+
+    def truncate(self, length: int) -> None:
+        """Drop the samples after the first ``length``, the ones added last (in place).
+
+        Takes back the latest updates: the joint learner does so when an update fails before
+        any of its batches trained. Truncating to 0 also frees the storage, so that the next
+        batch fixes its structure, shapes and dtypes afresh.
+
+        Raises:
+            ValueError: ``length`` is not an int in ``[0, len(self)]``.
+
+        Example:
+            >>> import torch
+            >>> buffer = InfiniteBuffer()
+            >>> buffer.update(torch.zeros(5, 2), torch.arange(5))
+            >>> buffer.truncate(3)
+            >>> len(buffer), buffer.num_seen
+            (3, 3)
+        """
+        validators.check_int(f"{type(self).__name__}.truncate: length", length, 0, len(self) + 1)
+        self._length = self._num_seen = length
+        if length == 0:
+            self._release_storage()
 
     def _bound(self) -> None:
         return None
