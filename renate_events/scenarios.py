@@ -20,6 +20,7 @@ Scenario                            Training data of task ``t``                 
 :class:`PermutationScenario`        random chunk ``t``, features permuted       whole pool, same
 :class:`RotationScenario`           random chunk ``t``, rotated                 whole pool, same
 :class:`IIDScenario`                random chunk ``t``                          whole test pool
+:class:`DataIncrementalScenario`    the samples of the domains of task ``t``    same, test pool
 :class:`FeatureSortingScenario`     chunk ``t`` after sorting by a feature      chunk ``t`` of the
                                                                                 sorted test pool
 ==================================  ==========================================  ===================
@@ -40,7 +41,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from renate_events.datasets import load_digits
+from trainer import validators
 
 __all__ = [
     "SCENARIOS",
@@ -74,31 +76,14 @@ _TASK_STREAM = 1
 _TRANSFORM_STREAM = 2
 _MASK64 = 2**64 - 1
 
+_INTERPOLATIONS = ("bilinear", "nearest")
+
 Pool = tuple[torch.Tensor, torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------
 # Validators and helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _owner(instance: Any, attribute: attrs.Attribute[Any]) -> str:
-    return f"{type(instance).__name__}.{attribute.name}"
-
-
-def _int_at_least(low: int, high: int | None = None) -> Callable[..., None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not _is_int(value) or value < low or (high is not None and value >= high):
-            allowed = f">= {low}" if high is None else f"in [{low}, {high})"
-            raise ValueError(
-                f"{_owner(instance, attribute)} must be an int {allowed}, got {value!r}"
-            )
-
-    return check
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:
@@ -166,7 +151,7 @@ def _stack_samples(data: Any, name: str) -> Pool:
                     f"shape {tuple(y.shape)} and dtype {y.dtype}"
                 )
             y = int(y.item())
-        elif not _is_int(y):
+        elif not validators.is_int(y):
             raise TypeError(
                 f"{name}[{index}]: the target must be an integer class id, got {y!r} of type "
                 f"{type(y).__name__}"
@@ -224,9 +209,10 @@ def _classes(*targets: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.unique(torch.cat([t.flatten() for t in targets])).tolist())
 
 
-def _take(pool: Pool, index: torch.Tensor) -> Pool:
+def _take(pool: tuple[torch.Tensor, ...], index: torch.Tensor) -> Any:
+    """The rows ``index`` of every tensor of ``pool`` (inputs, targets and, for domains, ids)."""
     index = index.to(pool[1].device)
-    return pool[0][index], pool[1][index]
+    return tuple(t[index] for t in pool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,11 +227,13 @@ def _to_int_tuple(values: Any) -> tuple[int, ...]:
 
 
 def _check_classes(instance: Any, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
-    if not value or not all(_is_int(c) and c >= 0 for c in value) or len(set(value)) != len(value):
-        raise ValueError(
-            f"{_owner(instance, attribute)} must be a non-empty tuple of distinct ints >= 0, got "
-            f"{value!r}"
-        )
+    if (
+        not value
+        or not all(validators.is_int(c) and c >= 0 for c in value)
+        or len(set(value)) != len(value)
+    ):
+        name = validators.field_name(instance, attribute)
+        raise ValueError(f"{name} must be a non-empty tuple of distinct ints >= 0, got {value!r}")
 
 
 @attrs.frozen(eq=False)
@@ -267,7 +255,7 @@ class Task:
         (0, 1)
     """
 
-    task_id: int = attrs.field(validator=_int_at_least(0))
+    task_id: int = attrs.field(validator=validators.int_at_least(0))
     train: TensorDataset = attrs.field(validator=attrs.validators.instance_of(TensorDataset))
     test: TensorDataset = attrs.field(validator=attrs.validators.instance_of(TensorDataset))
     classes: tuple[int, ...] = attrs.field(converter=_to_int_tuple, validator=_check_classes)
@@ -278,17 +266,19 @@ class Task:
 # --------------------------------------------------------------------------------------------
 
 
+_in_open_unit_interval = validators.real_in_range(0, 1, low_open=True, high_open=True)
+
+
 def _check_test_fraction(instance: Scenario, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
     if instance.test_dataset is not None:
+        name = validators.field_name(instance, attribute)
         raise ValueError(
-            f"{_owner(instance, attribute)}: give either test_dataset or test_fraction, not both "
+            f"{name}: give either test_dataset or test_fraction, not both "
             "(the test fraction only applies when the scenario splits dataset itself)"
         )
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < 1
-    if not ok:
-        raise ValueError(f"{_owner(instance, attribute)} must be a number in (0, 1), got {value!r}")
+    _in_open_unit_interval(instance, attribute, value)
 
 
 def _check_test_dataset(instance: Scenario, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -297,7 +287,7 @@ def _check_test_dataset(instance: Scenario, attribute: attrs.Attribute[Any], val
     shape, test_shape = instance.dataset.tensors[0].shape[1:], value.tensors[0].shape[1:]
     if shape != test_shape:
         raise ValueError(
-            f"{_owner(instance, attribute)}: test inputs have per-sample shape "
+            f"{validators.field_name(instance, attribute)}: test inputs have per-sample shape "
             f"{tuple(test_shape)} but the training inputs {tuple(shape)}; both must match"
         )
 
@@ -335,7 +325,9 @@ class Scenario:
     test_fraction: float | None = attrs.field(
         default=None, kw_only=True, validator=_check_test_fraction
     )
-    seed: int = attrs.field(default=0, kw_only=True, validator=_int_at_least(0, _SEED_LIMIT))
+    seed: int = attrs.field(
+        default=0, kw_only=True, validator=validators.int_at_least(0, _SEED_LIMIT)
+    )
 
     @property
     def num_tasks(self) -> int:
@@ -419,11 +411,14 @@ def _default_num_tasks(instance: Any) -> int | None:
 def _check_groups(instance: ClassIncrementalScenario, attribute: Any, value: Any) -> None:
     if value is None:
         return
-    name = _owner(instance, attribute)
+    name = validators.field_name(instance, attribute)
     valid = (
         isinstance(value, tuple)
         and len(value) > 0
-        and all(isinstance(g, tuple) and g and all(_is_int(c) and c >= 0 for c in g) for g in value)
+        and all(
+            isinstance(g, tuple) and g and all(validators.is_int(c) and c >= 0 for c in g)
+            for g in value
+        )
     )
     if not valid:
         raise ValueError(
@@ -447,7 +442,7 @@ def _check_groups(instance: ClassIncrementalScenario, attribute: Any, value: Any
 
 
 def _check_num_tasks_groups(instance: ClassIncrementalScenario, attribute: Any, value: Any) -> None:
-    name = _owner(instance, attribute)
+    name = validators.field_name(instance, attribute)
     if instance.class_groups is None:
         if value is None:
             raise ValueError(
@@ -456,7 +451,7 @@ def _check_num_tasks_groups(instance: ClassIncrementalScenario, attribute: Any, 
             )
         train, _ = instance._class_counts()
         num_classes = int(torch.count_nonzero(train))
-        if not _is_int(value) or not 1 <= value <= num_classes:
+        if not validators.is_int(value) or not 1 <= value <= num_classes:
             raise ValueError(
                 f"{name} must be an int in [1, {num_classes}] (the number of classes in "
                 f"dataset), got {value!r}"
@@ -534,7 +529,7 @@ class ClassIncrementalScenario(Scenario):
 
 
 def _check_num_tasks_train(instance: Scenario, attribute: Any, value: Any) -> None:
-    _int_at_least(1)(instance, attribute, value)
+    validators.int_at_least(1)(instance, attribute, value)
     instance._check_chunks(value, test_too=False)
 
 
@@ -615,9 +610,10 @@ def _check_degrees(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
         and all(isinstance(v, float) and math.isfinite(v) for v in value)
     )
     if not ok:
+        name = validators.field_name(instance, attribute)
         raise ValueError(
-            f"{_owner(instance, attribute)} must be a non-empty sequence of finite angles in "
-            f"degrees, one per task, such as (0, 45, 90), got {value!r}"
+            f"{name} must be a non-empty sequence of finite angles in degrees, one per task, such "
+            f"as (0, 45, 90), got {value!r}"
         )
     instance._check_chunks(len(value), test_too=False)
 
@@ -629,7 +625,7 @@ def _to_shape(value: Any) -> Any:
 
 
 def _check_image_shape(instance: RotationScenario, attribute: Any, value: Any) -> None:
-    name = _owner(instance, attribute)
+    name = validators.field_name(instance, attribute)
     inputs = instance.dataset.tensors[0]
     per_sample = tuple(inputs.shape[1:])
     if value is None:
@@ -642,7 +638,7 @@ def _check_image_shape(instance: RotationScenario, attribute: Any, value: Any) -
     elif (
         not isinstance(value, tuple)
         or len(value) not in (2, 3)
-        or not all(_is_int(s) and s > 0 for s in value)
+        or not all(validators.is_int(s) and s > 0 for s in value)
         or math.prod(value) != math.prod(per_sample)
     ):
         raise ValueError(
@@ -689,7 +685,7 @@ class RotationScenario(Scenario):
         default=None, converter=_to_shape, validator=_check_image_shape
     )
     interpolation: str = attrs.field(
-        default="bilinear", kw_only=True, validator=attrs.validators.in_(("bilinear", "nearest"))
+        default="bilinear", kw_only=True, validator=validators.one_of(*_INTERPOLATIONS)
     )
 
     @property
@@ -748,8 +744,7 @@ def rotate_images(
             f"rotate_images expects floating-point images (N, C, H, W), got shape "
             f"{tuple(images.shape)} and dtype {images.dtype}"
         )
-    if interpolation not in ("bilinear", "nearest"):
-        raise ValueError(f"interpolation must be 'bilinear' or 'nearest', got {interpolation!r}")
+    validators.check_one_of("rotate_images: interpolation", interpolation, _INTERPOLATIONS)
     if float(degrees) % 360 == 0 or images.numel() == 0:
         return images.clone()
     n, c, h, w = images.shape
@@ -777,7 +772,8 @@ class IIDScenario(Scenario):
     """Data-incremental: the training pool in random, equally sized chunks, one per task.
 
     All tasks share the same distribution; every task is tested on the whole test pool (as in
-    Renate's ``IIDScenario``). Also available as :data:`DataIncrementalScenario`.
+    Renate's ``IIDScenario``). For data that arrives from named sources, one per update, see
+    :class:`DataIncrementalScenario`.
 
     Args:
         dataset: The data (see :class:`Scenario`).
@@ -809,24 +805,267 @@ class IIDScenario(Scenario):
         ]
 
 
-DataIncrementalScenario = IIDScenario
-"""Alias of :class:`IIDScenario`."""
+def _to_domains(value: Any) -> Any:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value  # the validator names what is wrong
+
+
+def _check_domains(instance: DataIncrementalScenario, attribute: Any, value: Any) -> None:
+    data = instance.dataset if attribute.name == "domains" else instance.test_dataset
+    name = validators.field_name(instance, attribute)
+    if data is None:  # test_domains without test_dataset
+        if value is not None:
+            raise ValueError(f"{name} labels the samples of test_dataset; give test_dataset too")
+        return
+    count = len(data)
+    valid = (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and len(value) == count
+        and not (value.dtype.is_floating_point or value.dtype.is_complex)
+        and value.dtype != torch.bool
+    )
+    if not valid:
+        raise ValueError(
+            f"{name} must hold one integer domain id per sample ({count}), such as "
+            f"torch.tensor([0, 0, 1, ...]), got {_describe_tensor(value)}"
+        )
+    if bool((value < 0).any()):
+        raise ValueError(f"{name}: domain ids must be >= 0, found {int(value.min())}")
+
+
+def _describe_tensor(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
+def _to_ids(value: Any) -> Any:
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return value
+    return tuple(value)
+
+
+def _check_groupings(instance: DataIncrementalScenario, attribute: Any, value: Any) -> None:
+    if (instance.data_ids is None) == (value is None):
+        raise ValueError(
+            f"{type(instance).__name__}: give either data_ids (one domain per task) or "
+            "groupings (the domains of each task), not both and not neither"
+        )
+    name = "groupings" if value is not None else "data_ids"
+    groups = instance._groups()
+    valid = len(groups) > 0 and all(
+        isinstance(g, tuple) and g and all(validators.is_int(d) and d >= 0 for d in g)
+        for g in groups
+    )
+    if not valid:
+        raise ValueError(
+            f"{type(instance).__name__}.{name} must hold int domain ids >= 0, such as "
+            f"data_ids=[0, 1, 2] or groupings=[[0, 1], [2]], got {getattr(instance, name)!r}"
+        )
+    repeated = [g for g in groups if len(set(g)) != len(g)]
+    if repeated:
+        raise ValueError(
+            f"{type(instance).__name__}.{name}: the group {list(repeated[0])} repeats a domain"
+        )
+    instance._check_domain_samples(groups)
+
+
+@attrs.frozen(eq=False)
+class DataIncrementalScenario(Scenario):
+    """Predefined data domains: task ``t`` trains on the domains of ``groupings[t]``.
+
+    As Renate's ``DataIncrementalScenario``: the data of each update comes from named sources
+    (domains) rather than from a random cut. ``domains`` gives every sample of ``dataset`` its
+    domain id; ``data_ids=(a, b, ...)`` makes one task per domain, in that order, and
+    ``groupings=((a, b), (c,), ...)`` merges several domains into one task. Task ``t`` trains on
+    the training samples of its domains and is tested on the test samples of the same domains;
+    its ``classes`` are those present in either. A domain may come back in a later task.
+
+    Without ``test_dataset`` the test pool holds out ``test_fraction`` of every (domain, class)
+    pair, so each domain keeps test samples of each of its classes; with ``test_dataset``,
+    ``test_domains`` labels its samples. :meth:`from_datasets` builds the scenario from one data
+    set per domain.
+
+    Args:
+        dataset: The data (see :class:`Scenario`).
+        domains: One domain id per sample of ``dataset``, an integer tensor or sequence ``>= 0``.
+        data_ids: The domain of each task, in order (Renate's ``data_ids``).
+        groupings: Instead of ``data_ids``: the domains of each task (Renate's ``groupings``).
+        test_domains: One domain id per sample of ``test_dataset`` (only with it).
+        test_dataset, test_fraction, seed: See :class:`Scenario`.
+
+    Raises:
+        ValueError: Neither or both of ``data_ids`` and ``groupings``; domain ids that are not
+            ints ``>= 0``, have no training samples, or leave a task without test samples;
+            ``domains`` (``test_domains``) not one id per sample.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> data = TensorDataset(torch.randn(60, 3), torch.arange(60) % 2)
+        >>> domains = torch.arange(60) // 20  # three domains of 20 samples
+        >>> scenario = DataIncrementalScenario(data, domains, groupings=[[2], [0, 1]])
+        >>> [(len(task.train), len(task.test)) for task in scenario]
+        [(14, 6), (28, 12)]
+    """
+
+    domains: torch.Tensor = attrs.field(converter=_to_domains, validator=_check_domains)
+    test_domains: torch.Tensor | None = attrs.field(
+        default=None, kw_only=True, converter=_to_domains, validator=_check_domains
+    )
+    data_ids: tuple[int, ...] | None = attrs.field(default=None, kw_only=True, converter=_to_ids)
+    groupings: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, kw_only=True, converter=_convert_groups, validator=_check_groupings
+    )
+
+    @classmethod
+    def from_datasets(
+        cls,
+        datasets: Sequence[Any],
+        *,
+        test_datasets: Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> DataIncrementalScenario:
+        """Build the scenario from one data set per domain: domain ``i`` is ``datasets[i]``.
+
+        Args:
+            datasets: The data of each domain (map-style datasets of ``(inputs, target)``, all
+                with inputs of one per-sample shape).
+            test_datasets: Optionally a test set per domain, in the same order.
+            **kwargs: ``data_ids`` or ``groupings`` (indices into ``datasets``), and
+                ``test_fraction`` or ``seed`` (see the class).
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import TensorDataset
+            >>> days = [TensorDataset(torch.randn(8, 2), torch.arange(8) % 2) for _ in range(3)]
+            >>> scenario = DataIncrementalScenario.from_datasets(days, data_ids=[0, 1, 2])
+            >>> scenario.num_tasks, len(scenario.tasks()[0].train)
+            (3, 6)
+        """
+        dataset, domains = _concatenate_domains(datasets, "datasets")
+        if test_datasets is None:
+            return cls(dataset, domains, **kwargs)
+        test_dataset, test_domains = _concatenate_domains(test_datasets, "test_datasets")
+        if len(test_datasets) != len(datasets):
+            raise ValueError(
+                f"test_datasets has {len(test_datasets)} data sets for {len(datasets)} domains; "
+                "give one test set per domain"
+            )
+        return cls(dataset, domains, test_dataset=test_dataset, test_domains=test_domains, **kwargs)
+
+    @property
+    def num_tasks(self) -> int:
+        """The number of tasks, one per entry of ``data_ids`` or ``groupings``."""
+        return len(self._groups())
+
+    def tasks(self) -> list[Task]:
+        """Builds the tasks, in order; the same list (equal tensors) on every call.
+
+        Returns:
+            One task per group of domains, with ``task_id`` 0, 1, ...
+        """
+        train, test = self._domain_pools()
+        tasks = []
+        for task_id, group in enumerate(self._groups()):
+            x, y = _in_domains(train, group)
+            test_x, test_y = _in_domains(test, group)
+            classes = _classes(y, test_y)
+            tasks.append(Task(task_id, TensorDataset(x, y), TensorDataset(test_x, test_y), classes))
+        return tasks
+
+    def _groups(self) -> tuple[Any, ...]:
+        if self.groupings is not None:
+            return self.groupings
+        return tuple((d,) for d in self.data_ids or ())
+
+    def _strata(self) -> torch.Tensor:
+        """One id per (domain, class) pair, so that the test split keeps both apart."""
+        targets = self.dataset.tensors[1]
+        return self.domains.to(targets.device) * (int(targets.max()) + 1) + targets
+
+    def _domain_pools(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        inputs, targets = self.dataset.tensors
+        every = (inputs, targets, self.domains.to(targets.device))
+        if self.test_dataset is not None:
+            test_inputs, test_targets = self.test_dataset.tensors
+            test_domains = cast(torch.Tensor, self.test_domains).to(test_targets.device)
+            return every, (test_inputs, test_targets, test_domains)
+        generator = _generator(self.seed, _SPLIT_STREAM)
+        train_idx, test_idx = _stratified_split(self._strata(), self._fraction(), generator)
+        return _take(every, train_idx), _take(every, test_idx)
+
+    def _domain_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples per domain id (index) in the training and test pools, without splitting."""
+        domains = self.domains.cpu()
+        if self.test_dataset is not None:
+            test_domains = cast(torch.Tensor, self.test_domains).cpu()
+            size = max(int(domains.max()), int(test_domains.max())) + 1
+            return torch.bincount(domains, minlength=size), torch.bincount(
+                test_domains, minlength=size
+            )
+        classes = int(self.dataset.tensors[1].max()) + 1
+        counts = torch.bincount(self._strata().cpu(), minlength=(int(domains.max()) + 1) * classes)
+        test = _test_counts(counts, self._fraction())
+        return (counts - test).reshape(-1, classes).sum(1), test.reshape(-1, classes).sum(1)
+
+    def _check_domain_samples(self, groups: tuple[tuple[int, ...], ...]) -> None:
+        train, test = self._domain_counts()
+
+        def count(counts: torch.Tensor, group: tuple[int, ...]) -> int:
+            return sum(int(counts[d]) if d < len(counts) else 0 for d in group)
+
+        missing = sorted({d for g in groups for d in g if count(train, (d,)) == 0})
+        if missing:
+            present = torch.nonzero(train).flatten().tolist()
+            raise ValueError(
+                f"{type(self).__name__}: domains {missing} have no training samples (the domain "
+                f"ids in domains are {present})"
+            )
+        for task_id, group in enumerate(groups):
+            if count(test, group) == 0:
+                raise ValueError(
+                    f"{type(self).__name__}: task {task_id} (domains {list(group)}) has no test "
+                    "samples; give a test_dataset with these domains or more samples"
+                )
+
+
+def _in_domains(pool: tuple[torch.Tensor, ...], group: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Inputs and targets of the samples of ``pool`` whose domain is in ``group``."""
+    inputs, targets, domains = pool
+    mask = torch.isin(domains, torch.tensor(group, dtype=domains.dtype, device=domains.device))
+    return inputs[mask], targets[mask]
+
+
+def _concatenate_domains(datasets: Any, name: str) -> tuple[TensorDataset, torch.Tensor]:
+    """One ``TensorDataset`` of the samples of all ``datasets`` and the index of each's source."""
+    if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence) or not datasets:
+        raise TypeError(f"{name} must be a non-empty sequence of data sets, one per domain")
+    parts = [_materialise(data, f"{name}[{i}]") for i, data in enumerate(datasets)]
+    shapes = {tuple(part.tensors[0].shape[1:]) for part in parts}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{name}: every domain needs inputs of one per-sample shape, got {sorted(shapes)}"
+        )
+    inputs = torch.cat([part.tensors[0] for part in parts])
+    targets = torch.cat([part.tensors[1] for part in parts])
+    domains = torch.cat([torch.full((len(p),), i, dtype=torch.int64) for i, p in enumerate(parts)])
+    return TensorDataset(inputs, targets), domains
 
 
 def _check_num_tasks_both(instance: Scenario, attribute: Any, value: Any) -> None:
-    _int_at_least(1)(instance, attribute, value)
+    validators.int_at_least(1)(instance, attribute, value)
     instance._check_chunks(value, test_too=True)
 
 
 def _check_feature_idx(instance: FeatureSortingScenario, attribute: Any, value: Any) -> None:
     inputs = instance.dataset.tensors[0]
-    _int_at_least(0, inputs.shape[1])(instance, attribute, value)
-
-
-def _check_randomness(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value <= 1
-    if not ok:
-        raise ValueError(f"{_owner(instance, attribute)} must be a number in [0, 1], got {value!r}")
+    validators.int_at_least(0, inputs.shape[1])(instance, attribute, value)
 
 
 @attrs.frozen(eq=False)
@@ -858,7 +1097,9 @@ class FeatureSortingScenario(Scenario):
 
     num_tasks: int = attrs.field(validator=_check_num_tasks_both)  # type: ignore[assignment]
     feature_idx: int = attrs.field(validator=_check_feature_idx)
-    randomness: float = attrs.field(default=0.0, kw_only=True, validator=_check_randomness)
+    randomness: float = attrs.field(
+        default=0.0, kw_only=True, validator=validators.real_in_range(0, 1)
+    )
 
     def _order(self, inputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         feature = inputs[:, self.feature_idx]

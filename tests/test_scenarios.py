@@ -52,6 +52,9 @@ FACTORIES = {
         data, (0, 30, 90), image_shape=(1, 1, 5), seed=seed
     ),
     "iid": lambda data, seed: IIDScenario(data, 3, seed=seed),
+    "data-incremental": lambda data, seed: DataIncrementalScenario(
+        data, torch.arange(len(data)) % 3, data_ids=(2, 0, 1), seed=seed
+    ),
     "feature-sorting": lambda data, seed: FeatureSortingScenario(
         data, 3, feature_idx=2, randomness=0.3, seed=seed
     ),
@@ -267,8 +270,7 @@ def test_rotation_by_45_keeps_the_centre_and_zeroes_the_corners() -> None:
 
 def test_iid_chunks_partition_the_training_pool() -> None:
     data = _data(n=61)
-    tasks = DataIncrementalScenario(data, 4, seed=7).tasks()
-    assert DataIncrementalScenario is IIDScenario
+    tasks = IIDScenario(data, 4, seed=7).tasks()
     chunks = [_ids(task.train) for task in tasks]
     pool = sorted(set(range(61)) - set(_ids(tasks[0].test)))
     assert sorted(i for chunk in chunks for i in chunk) == pool
@@ -278,6 +280,69 @@ def test_iid_chunks_partition_the_training_pool() -> None:
         assert task.test is tasks[0].test and task.classes == (0, 1, 2, 3)
         x = task.train.tensors[0]
         assert torch.equal(x, data.tensors[0][x[:, 0].long()])
+
+
+# ------------------------------------------------------------------------- data-incremental
+
+
+def _domains(n: int) -> torch.Tensor:
+    """Sample i of ``_data(n)`` comes from domain (i // 5) % 4: blocks of five samples."""
+    return (torch.arange(n) // 5) % 4
+
+
+def test_data_incremental_tasks_hold_the_samples_of_their_domains() -> None:
+    data, domains = _data(n=80), _domains(80)
+    scenario = DataIncrementalScenario(data, domains, groupings=[[3], [0, 2]], seed=5)
+    tasks = scenario.tasks()
+    assert scenario.num_tasks == len(tasks) == 2
+    train_ids = [_ids(task.train) for task in tasks]
+    test_ids = [_ids(task.test) for task in tasks]
+    for group, train, test in zip([[3], [0, 2]], train_ids, test_ids):
+        assert {int(domains[i]) for i in train + test} == set(group)
+        assert not set(train) & set(test)
+        assert train == sorted(train) and test == sorted(test)  # the data set's order
+    # Every sample of the chosen domains is in exactly one pool; domain 1 is left out.
+    chosen = [i for i in range(80) if int(domains[i]) in (0, 2, 3)]
+    assert sorted(train_ids[0] + train_ids[1] + test_ids[0] + test_ids[1]) == chosen
+    # The test pool holds out a quarter of every (domain, class) pair.
+    for domain in range(4):
+        for label in range(4):
+            pair = [i for i in range(80) if domains[i] == domain and i % 4 == label]
+            held = [i for i in pair if i in test_ids[0] + test_ids[1]]
+            assert int(domain) == 1 or len(held) == round(0.25 * len(pair))
+    assert [task.classes for task in tasks] == [(0, 1, 2, 3), (0, 1, 2, 3)]
+    x = tasks[1].train.tensors[0]
+    assert torch.equal(x, data.tensors[0][x[:, 0].long()])
+
+
+def test_data_incremental_data_ids_make_one_task_per_domain_in_order() -> None:
+    data, domains = _data(n=80), _domains(80)
+    by_ids = DataIncrementalScenario(data, domains, data_ids=[2, 0], seed=1).tasks()
+    by_groups = DataIncrementalScenario(data, domains, groupings=[[2], [0]], seed=1).tasks()
+    for a, b in zip(_tensors(by_ids), _tensors(by_groups)):
+        assert torch.equal(a, b)
+    assert [{int(domains[i]) for i in _ids(task.train)} for task in by_ids] == [{2}, {0}]
+
+
+def test_data_incremental_with_a_test_dataset_and_from_datasets() -> None:
+    data, domains = _data(n=40), _domains(40)
+    test, test_domains = _data(n=20, seed=1), _domains(20)
+    tasks = DataIncrementalScenario(
+        data, domains, data_ids=[1, 3], test_dataset=test, test_domains=test_domains
+    ).tasks()
+    assert [len(task.train) for task in tasks] == [10, 10]
+    assert [len(task.test) for task in tasks] == [5, 5]
+    assert torch.equal(tasks[1].test.tensors[0], test.tensors[0][test_domains == 3])
+    parts = [TensorDataset(*data[domains == d]) for d in range(4)]
+    tests = [TensorDataset(*test[test_domains == d]) for d in range(4)]
+    built = DataIncrementalScenario.from_datasets(parts, test_datasets=tests, data_ids=[1, 3])
+    for a, b in zip(_tensors(tasks), _tensors(built.tasks())):  # one domain per task: same order
+        assert torch.equal(a, b)
+
+
+def test_data_incremental_is_not_the_iid_scenario() -> None:
+    assert DataIncrementalScenario is not IIDScenario
+    assert not issubclass(DataIncrementalScenario, IIDScenario)
 
 
 # --------------------------------------------------------------------------- feature sorting
@@ -388,6 +453,63 @@ def test_registry_names() -> None:
         (lambda d: IIDScenario(d, 2, test_fraction=0.2, test_dataset=d), ValueError, ["not both"]),
         (lambda d: IIDScenario(d, 2, seed=-1), ValueError, ["seed"]),
         (lambda d: IIDScenario(d, 2, test_dataset=_images()), ValueError, ["per-sample shape"]),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60)),
+            ValueError,
+            ["data_ids", "groupings", "not both"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), data_ids=[0], groupings=[[0]]),
+            ValueError,
+            ["not both"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(59), data_ids=[0]),
+            ValueError,
+            ["domains", "per sample (60)", "(59,)"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60).float(), data_ids=[0]),
+            ValueError,
+            ["integer domain id", "float32"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, -_domains(60), data_ids=[0]),
+            ValueError,
+            [">= 0", "-3"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), data_ids=[7]),
+            ValueError,
+            ["[7]", "no training samples", "[0, 1, 2, 3]"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), groupings=[[0, 0]]),
+            ValueError,
+            ["[0, 0]", "repeats"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), data_ids=["a"]),
+            ValueError,
+            ["data_ids", "int domain ids"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), data_ids=[0], test_dataset=d),
+            ValueError,
+            ["test_domains", "per sample (60)"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(
+                d, _domains(60), data_ids=[0, 1], test_dataset=d, test_domains=_domains(60) * 0
+            ),
+            ValueError,
+            ["task 1 (domains [1]) has no test samples"],
+        ),
+        (
+            lambda d: DataIncrementalScenario(d, _domains(60), data_ids=[0], test_domains=[0]),
+            ValueError,
+            ["test_domains", "give test_dataset"],
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(make, error, words) -> None:
