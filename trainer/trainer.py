@@ -75,8 +75,10 @@ class _Run:
     __slots__ = (
         "autocast",
         "check_loss",
+        "distributed",
         "epochs",
         "last_loss",
+        "limit",
         "move",
         "payload",
         "scheduler",
@@ -104,6 +106,8 @@ class _Run:
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
         self.step_scheduler = scheduler if scheduler_interval == "step" else None
         self.check_loss = check_loss
+        self.distributed = False  # these four are set by Trainer._start
+        self.limit: int | None = None
         self.move: Callable[[Any], Any] = _identity  # set by Trainer._start for the device
         self.autocast: Callable[[], Any] = contextlib.nullcontext
         self.payload: dict[str, Any] = {}
@@ -343,7 +347,7 @@ class Trainer:
         for batch_idx, batch in enumerate(batches, start=skip):
             done = batch_idx + 1
             self._train_batch(run, batch_idx, batch, last=done == length)
-            if state.should_stop or state.steps_left() <= 0:
+            if state.should_stop or (run.limit is not None and state.global_step >= run.limit):
                 exhausted = done == length
                 break
         if done == 0:
@@ -374,14 +378,14 @@ class Trainer:
         loss, outputs = _split_step_output(outputs)
         self._backward_or_skip(run, loss)
         # Optimizer step when the accumulation window is full or the data ends.
-        last = last or state.steps_left() <= 1
+        last = last or (run.limit is not None and state.global_step + 1 >= run.limit)
         if state.accumulated and (state.accumulated == self.accumulate_grad_batches or last):
             self._optimizer_step(run.step_scheduler)
         state.global_step += 1
         state.resume_at = (state.epoch, batch_idx + 1)
         # Batch end: parameters are updated, the loss is still on the device.
         self._emit("batch_end", batch=batch, outputs=outputs, loss=loss)
-        if self.dist.enabled:
+        if run.distributed:
             state.should_stop = self.dist.safe_point("batch_end", stop=state.should_stop)
         run.last_loss = loss
 
@@ -478,6 +482,7 @@ class Trainer:
         run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
         run.move = functools.partial(to_device, device=device)
         run.autocast = _runtime.autocast_factory(self.precision, device)
+        run.distributed, run.limit = ctx.enabled, self.max_steps
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
         run.payload = self._common()
@@ -583,7 +588,7 @@ class Trainer:
     def _backward_or_skip(self, run: _Run, loss: torch.Tensor) -> None:
         state = self.state
         skipped = run.check_loss and not _runtime.is_finite(loss)
-        if run.check_loss and self.dist.enabled:
+        if run.check_loss and run.distributed:
             skipped = self.dist.any(skipped)  # the same on all ranks
         state.batch_skipped = skipped
         if not skipped:
