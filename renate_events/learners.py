@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -31,7 +30,8 @@ from renate_events.components import (
     WeightedPooledOutputDistillationLossComponent,
 )
 from renate_events.memory import BufferDataset, DataBuffer, InfiniteBuffer, ReservoirBuffer
-from trainer import FitResult, TensorLoader, Trainer
+from trainer import FitResult, TensorLoader, Trainer, validators
+from trainer.data import to_device
 
 __all__ = [
     "BaseExperienceReplayLearner",
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
 def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
@@ -57,25 +56,6 @@ def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """Move a nested memory batch to the model's device (a no-op where it already is).
-
-    From a CPU buffer to a GPU the rows are staged in pinned memory first, so that the copy is
-    asynchronous (a copy from pageable memory makes the host wait).
-    """
-    if isinstance(value, torch.Tensor):
-        if value.device == device:
-            return value
-        if device.type == "cuda" and value.device.type == "cpu" and not value.is_pinned():
-            value = value.pin_memory()
-        return value.to(device, non_blocking=True)
-    if isinstance(value, Mapping):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(item, device) for item in value)
-    return value
 
 
 def _samples_independent(model: nn.Module) -> bool:
@@ -141,36 +121,20 @@ def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
     )
 
 
-def _number_in(low: float, high: float | None, *, low_open: bool = False, high_open: bool = False):
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-        if ok:
-            ok = value > low if low_open else value >= low
-        if ok and high is not None:
-            ok = value < high if high_open else value <= high
-        if not ok:
-            left = "(" if low_open else "["
-            right = "inf)" if high is None else (f"{high})" if high_open else f"{high}]")
-            raise ValueError(
-                f"{type(instance).__name__}.{attribute.name} must be a number in "
-                f"{left}{low}, {right}, got {value!r}"
-            )
+class _Passes(NamedTuple):
+    """What :meth:`BaseExperienceReplayLearner._forward_new_and_memory` ran.
 
-    return check
+    ``outputs`` and ``features`` of the new batch and, when it was drawn there, the step's first
+    memory batch with its outputs and features (``None`` when not forwarded yet). ``fused``:
+    ``outputs`` are those of ``[new; memory]`` in one tensor, to be scored by one cross-entropy.
+    """
 
-
-def _int_at_least(low: int):
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(
-                f"{type(instance).__name__}.{attribute.name} must be an int >= {low}, got {value!r}"
-            )
-
-    return check
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    outputs: torch.Tensor
+    features: list[torch.Tensor]
+    batch_memory: Any = None
+    outputs_memory: torch.Tensor | None = None
+    features_memory: list[torch.Tensor] | None = None
+    fused: bool = False
 
 
 def _named_components(components: Any) -> dict[str, Component]:
@@ -179,7 +143,7 @@ def _named_components(components: Any) -> dict[str, Component]:
     elif isinstance(components, Sequence):
         named, counts = {}, {}
         for component in components:
-            base = _snake(type(component).__name__)
+            base = validators.snake_case(type(component).__name__)
             counts[base] = counts.get(base, -1) + 1
             named[f"{base}_{counts[base]}"] = component
     else:
@@ -193,7 +157,11 @@ def _named_components(components: Any) -> dict[str, Component]:
                 f"component {name!r} is a {type(component).__name__}, not a Component; "
                 "subclass renate_events.components.Component"
             )
-        if not isinstance(name, str) or not _NAME.match(name) or name == "learner":
+        if (
+            not isinstance(name, str)
+            or not validators.NAME_PATTERN.match(name)
+            or name == "learner"
+        ):
             raise ValueError(
                 f"component name {name!r} is not valid: use letters, digits, '_' and '-' and do "
                 "not use 'learner' (the learner's own checkpoint key)"
@@ -222,6 +190,10 @@ class BaseExperienceReplayLearner:
        its unmasked logits and its intermediate representations, then the components'
        ``on_train_batch_end`` run.
 
+    Memory batches carry the stored logits under ``"logits"`` and Renate's ``"outputs"`` (the
+    same tensor). An update that fails before its first batch went through leaves no trace: the
+    buffer's sampling generator, the stored logits and the classes seen are put back.
+
     Memory batches are tensor operations on the buffer's device; no DataLoader is built per step.
     A buffer on another device than the model is allowed (its batches are copied to the model's
     device); pass ``buffer=ReservoirBuffer(..., device="cuda")`` to keep it on the GPU.
@@ -234,7 +206,9 @@ class BaseExperienceReplayLearner:
             ``fit`` (Renate's behaviour: each update starts with fresh optimizer state), or an
             optimizer instance reused across fits. Default: Adam with learning rate 3e-4.
         components: Named components (a mapping, kept in order) or a sequence (named after their
-            classes).
+            classes). A preset (``ExperienceReplayLearner``, ...) runs them after its own; one
+            under the name of a preset component (``"memory_loss"``, ...) takes that
+            component's place, and the preset's arguments for it no longer apply.
         memory_size: Slots of the default reservoir buffer; 0 disables memory.
         memory_batch_size: Samples per memory batch.
         batch_size: Samples per batch of new data when ``fit`` receives a dataset.
@@ -255,26 +229,14 @@ class BaseExperienceReplayLearner:
         seed: Seeds the default buffer and the trainer (when it has no seed of its own).
         trainer: The trainer to drive (epochs, device, precision, ...); subscribe your own
             listeners to it.
-        memory_forward: How the new batch and the step's first memory batch go through the model:
-            ``"separate"`` runs two forward passes (Renate's way); ``"concatenated"`` runs one
-            pass over both batches stacked and splits the outputs (and the recorded intermediate
-            representations, which must then have the batch first), saving a forward pass and
-            making the backward pass one graph; ``"auto"`` (default) concatenates unless the
-            model has batch-normalisation layers (whose batch statistics would then mix new and
-            memory samples) or ``feature_modules`` are recorded. Other layers that mix the
-            samples of a batch (``F.batch_norm`` called directly, batch-level statistics, expert
-            capacity limits) are not detected: pass ``"separate"`` for such models. For a
-            model whose samples do not interact the losses are the same either way (up to
-            floating-point rounding); dropout draws differ. Memory batches of later components with
-            ``sample_new_memory_batch`` always get a pass of their own. When the only component
-            is a plain ``WeightedCustomLossComponent`` with a positive weight, it and ``loss_fn``
-            are both ``torch.nn.functional.cross_entropy`` (``ExperienceReplayLearner``'s
-            defaults, without ``mask_unused_classes`` or ``feature_modules``) and the outputs
-            are ``(N, C)`` logits, the one pass is followed by one cross-entropy over both
-            batches, each sample weighted so that the value is the weighted, normalised sum of
-            the two means (the same value up to rounding); class labels are then expected in
-            ``0..K-1`` (as ``fit`` checks for datasets) or as probabilities: a label equal to
-            ``cross_entropy``'s ``ignore_index`` would shift the weights of the means.
+        memory_forward: How the new batch and the step's first memory batch go through the
+            model: ``"separate"``, two forward passes (Renate's way); ``"concatenated"``, one pass
+            over both batches stacked, split at the seam afterwards (recorded features must then
+            have the batch first); ``"auto"`` (default), concatenated unless the model has
+            batch-normalisation layers or ``feature_modules`` are recorded. For a model whose
+            samples do not interact both give the same losses up to rounding (dropout draws
+            differ); pass ``"separate"`` for a model that mixes the samples of a batch in another
+            way (``F.batch_norm`` called directly, batch statistics, expert capacity limits).
 
     Example:
         >>> import torch
@@ -290,7 +252,7 @@ class BaseExperienceReplayLearner:
 
     model: nn.Module = attrs.field(validator=attrs.validators.instance_of(nn.Module))
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = attrs.field(
-        default=F.cross_entropy, validator=attrs.validators.is_callable()
+        default=F.cross_entropy, validator=validators.is_callable("(outputs, targets) -> loss")
     )
     optimizer: torch.optim.Optimizer | OptimizerFactory = attrs.field(
         default=functools.partial(torch.optim.Adam, lr=3e-4)
@@ -298,35 +260,31 @@ class BaseExperienceReplayLearner:
     components: Mapping[str, Component] | Sequence[Component] = attrs.field(
         factory=dict, converter=_named_components
     )
-    memory_size: int = attrs.field(default=32, validator=_int_at_least(0))
-    memory_batch_size: int = attrs.field(default=32, validator=_int_at_least(1))
-    batch_size: int = attrs.field(default=32, validator=_int_at_least(1))
+    memory_size: int = attrs.field(default=32, validator=validators.int_at_least(0))
+    memory_batch_size: int = attrs.field(default=32, validator=validators.int_at_least(1))
+    batch_size: int = attrs.field(default=32, validator=validators.int_at_least(1))
     batch_memory_frac: float | None = attrs.field(
         default=None,
-        validator=attrs.validators.optional(_number_in(0, 1, low_open=True, high_open=True)),
+        validator=validators.real_in_range(0, 1, low_open=True, high_open=True, optional=True),
     )
-    loss_weight: float = attrs.field(default=1.0, validator=_number_in(0, None))
+    loss_weight: float = attrs.field(default=1.0, validator=validators.real_in_range(0))
     ema_memory_update_gamma: float = attrs.field(
-        default=1.0, validator=_number_in(0, 1, low_open=True)
+        default=1.0, validator=validators.real_in_range(0, 1, low_open=True)
     )
-    loss_normalization: bool = attrs.field(
-        default=True, validator=attrs.validators.instance_of(bool)
-    )
-    mask_unused_classes: bool = attrs.field(
-        default=False, validator=attrs.validators.instance_of(bool)
-    )
+    loss_normalization: bool = attrs.field(default=True, validator=validators.boolean)
+    mask_unused_classes: bool = attrs.field(default=False, validator=validators.boolean)
     buffer: DataBuffer | None = attrs.field(default=None)
     feature_modules: Sequence[str] = attrs.field(default=(), converter=tuple)
     learning_rate_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     learning_rate_scheduler_interval: str = attrs.field(
-        default="epoch", validator=attrs.validators.in_(("epoch", "step"))
+        default="epoch", validator=validators.one_of("epoch", "step")
     )
-    seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    seed: int = attrs.field(default=0, validator=validators.int_at_least(0))
     trainer: Trainer = attrs.field(factory=Trainer)
     memory_forward: str = attrs.field(
         default="auto",
         kw_only=True,
-        validator=attrs.validators.in_(("auto", "concatenated", "separate")),
+        validator=validators.one_of("auto", "concatenated", "separate"),
     )
 
     _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
@@ -334,6 +292,8 @@ class BaseExperienceReplayLearner:
     _seen_classes: torch.Tensor | None = attrs.field(init=False, default=None)
     _new_batch_size: int = attrs.field(init=False, default=0)
     _batch_checked: bool = attrs.field(init=False, default=False)
+    # How to put back what an update changed before its first batch trained (None once it has).
+    _undo: list[Callable[[], None]] | None = attrs.field(init=False, default=None)
     _concatenate: bool = attrs.field(init=False, default=False)
     _fused: WeightedCustomLossComponent | None = attrs.field(init=False, default=None)
     _samples_on_storage: bool = attrs.field(init=False, default=False)
@@ -341,36 +301,10 @@ class BaseExperienceReplayLearner:
     _weights_key: tuple[Any, ...] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        if not self.components:
-            self.components = _named_components(self.default_components())
-        pod = [
-            name
-            for name, c in self.components.items()
-            if isinstance(c, WeightedPooledOutputDistillationLossComponent) and c.weight > 0
-        ]
-        if pod and not self.feature_modules:
-            raise ValueError(
-                f"{type(self).__name__}: the component {pod[0]!r} distils intermediate "
-                "representations, but feature_modules is empty; pass the names of the submodules "
-                "to record, e.g. feature_modules=['layer1', 'layer2'] (see model.named_modules())"
-            )
-        if self.batch_memory_frac is not None:
-            memory = min(self.memory_size, int(self.batch_memory_frac * self.batch_size))
-            if memory < 1 or memory >= self.batch_size:
-                raise ValueError(
-                    f"batch_memory_frac={self.batch_memory_frac} with batch_size={self.batch_size} "
-                    f"and memory_size={self.memory_size} leaves a memory batch of {memory} and a "
-                    f"new-data batch of {self.batch_size - memory}; both must be >= 1"
-                )
-            self.memory_batch_size, self._new_batch_size = memory, self.batch_size - memory
-        else:
-            self._new_batch_size = self.batch_size
-            if 0 < self.memory_size < self.memory_batch_size and self.components:
-                raise ValueError(
-                    f"memory_batch_size={self.memory_batch_size} is larger than memory_size="
-                    f"{self.memory_size}: the buffer could never serve a memory batch and replay "
-                    "would silently never happen; lower memory_batch_size or raise memory_size"
-                )
+        # A preset's own components first; the given ones after them, or in their place.
+        self.components = {**_named_components(self.default_components()), **self.components}
+        self._check_feature_modules()
+        self._split_batch()
         if self.buffer is None and self.memory_size > 0:
             self.buffer = ReservoirBuffer(
                 max_size=self.memory_size, seed=_derived_seed(self.seed, 0)
@@ -383,12 +317,47 @@ class BaseExperienceReplayLearner:
         for name, component in self.components.items():
             self.trainer.subscribe(component, name=name)
 
+    def _check_feature_modules(self) -> None:
+        """A POD component needs recorded features: refuse it without ``feature_modules``."""
+        pod = [
+            name
+            for name, c in self.components.items()
+            if isinstance(c, WeightedPooledOutputDistillationLossComponent) and c.weight > 0
+        ]
+        if pod and not self.feature_modules:
+            raise ValueError(
+                f"{type(self).__name__}: the component {pod[0]!r} distils intermediate "
+                "representations, but feature_modules is empty; pass the names of the submodules "
+                "to record, e.g. feature_modules=['layer1', 'layer2'] (see model.named_modules())"
+            )
+
+    def _split_batch(self) -> None:
+        """The sizes of the new-data and memory batches (``batch_memory_frac`` splits one)."""
+        if self.batch_memory_frac is not None:
+            memory = min(self.memory_size, int(self.batch_memory_frac * self.batch_size))
+            if memory < 1 or memory >= self.batch_size:
+                raise ValueError(
+                    f"batch_memory_frac={self.batch_memory_frac} with batch_size={self.batch_size} "
+                    f"and memory_size={self.memory_size} leaves a memory batch of {memory} and a "
+                    f"new-data batch of {self.batch_size - memory}; both must be >= 1"
+                )
+            self.memory_batch_size, self._new_batch_size = memory, self.batch_size - memory
+            return
+        self._new_batch_size = self.batch_size
+        if 0 < self.memory_size < self.memory_batch_size and self.components:
+            raise ValueError(
+                f"memory_batch_size={self.memory_batch_size} is larger than memory_size="
+                f"{self.memory_size}: the buffer could never serve a memory batch and replay "
+                "would silently never happen; lower memory_batch_size or raise memory_size"
+            )
+
     def default_components(self) -> dict[str, Component]:
-        """The ordered, named components used when none are given (a preset's list).
+        """The ordered, named components of a preset; those given as ``components`` follow them
+        (or replace the one of the same name).
 
         Override it in a subclass to extend a preset, e.g.
         ``return {**super().default_components(), "mine": MyComponent()}``. The base learner
-        has none.
+        has none, so its components are exactly the given ones.
         """
         return {}
 
@@ -503,76 +472,100 @@ class BaseExperienceReplayLearner:
 
     def training_step(self, batch: Any) -> dict[str, Any]:
         """Loss of one batch of new data plus the components' losses on memory batches."""
-        sampling = None if self._batch_checked else getattr(self.buffer, "_sample_generator", None)
-        if sampling is None:
+        if self._batch_checked:
             return self._step(batch)
-        # The first step of an update may refuse its batch after drawing a memory batch: put the
-        # buffer's sampling generator back then, so that a refused fit leaves no trace.
-        state = sampling.get_state()
-        try:
-            return self._step(batch)
-        except BaseException:
-            sampling.set_state(state)
-            raise
+        # The first step of an update: note how to put back what it changes before its batch
+        # trains, for on_exception (the loss may still be refused after the step returns).
+        self._note_first_step()
+        outputs = self._step(batch)
+        self._batch_checked = True
+        return outputs
 
     def _step(self, batch: Any) -> dict[str, Any]:
-        """The step itself (:meth:`training_step` guards the first one of an update)."""
+        """Forward the new batch (with the first memory batch where they share a pass), then add
+        the components' losses on memory batches."""
         inputs, targets = _unpack(batch)
         # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
         # gradients are averaged over the ranks while the backward pass runs.
         net = self.trainer.training_model
         net = self.model if net is None else net
-        buffer = self.buffer
-        replay = buffer is not None and bool(self.components)
-        replay = replay and len(buffer) >= self._memory_batch()  # type: ignore[arg-type]
-        batch_memory = outputs_memory = features_memory = None
-        if replay and self._concatenate and isinstance(inputs, torch.Tensor):
-            # One pass over [new; memory]: the first memory batch rides along with the new one
-            # (when the two stack; a mismatch is left to the separate path and its checks).
-            batch_memory = self._sample_memory(inputs.device)
-            if _stackable(inputs, batch_memory[0][0]):
-                both, features_both = self._concatenated_forward(net, inputs, batch_memory[0][0])
-                fused = self._fused
-                if fused is not None and fused.weight > 0 and both.dim() == 2 and len(inputs):
-                    return self._fused_step(inputs, targets, both, batch_memory, fused)
-                outputs, outputs_memory, features, features_memory = _split_at(
-                    len(inputs), both, features_both
-                )
-        if outputs_memory is None:
-            outputs = forward(net, inputs)
-            features = self._features()
+        replay = self._replay_ready()
+        passes = self._forward_new_and_memory(net, inputs, replay)
+        if passes.fused:
+            return self._fused_step(inputs, targets, passes)
+        outputs, features = passes.outputs, passes.features
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
         self._check_first_batch(inputs, targets, outputs, features)
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:
-            total_weight = self.loss_weight
-            for i, component in enumerate(self.components.values()):
-                if i == 0 or component.sample_new_memory_batch:
-                    if i > 0 or batch_memory is None:
-                        batch_memory = self._sample_memory(outputs.device)
-                    if i > 0 or outputs_memory is None:
-                        outputs_memory = forward(net, batch_memory[0][0])
-                        features_memory = self._features()
-                    self._ema_update(batch_memory, outputs_memory)
-                loss = loss + _mean(component.loss(outputs_memory, batch_memory, features_memory))
-                total_weight += component.weight
-            if self.loss_normalization and total_weight > 0:
-                loss = loss if total_weight == 1 else loss / total_weight
+            loss = self._memory_losses(net, loss, passes)
         return {
             "loss": loss,
             "logits": outputs.detach(),
             "features": [f.detach() for f in features],
         }
 
+    def _replay_ready(self) -> bool:
+        """Whether this step replays: there are components, and a memory batch in the buffer."""
+        buffer = self.buffer
+        return buffer is not None and bool(self.components) and len(buffer) >= self._memory_batch()
+
+    def _forward_new_and_memory(self, net: nn.Module, inputs: Any, replay: bool) -> _Passes:
+        """Run the model on the new batch and, in the same pass, on the step's first memory
+        batch (with ``memory_forward`` concatenating, when the two batches stack)."""
+        if not (replay and self._concatenate and isinstance(inputs, torch.Tensor)):
+            return _Passes(forward(net, inputs), self._features())
+        batch_memory = self._sample_memory(inputs.device)
+        inputs_memory = batch_memory[0][0]
+        if not _stackable(inputs, inputs_memory):  # left to separate passes and their checks
+            return _Passes(forward(net, inputs), self._features(), batch_memory)
+        both, features_both = self._concatenated_forward(net, inputs, inputs_memory)
+        fused = self._fused
+        if fused is not None and fused.weight > 0 and both.dim() == 2 and len(inputs):
+            return _Passes(both, features_both, batch_memory, fused=True)
+        outputs, outputs_memory, features, features_memory = _split_at(
+            len(inputs), both, features_both
+        )
+        return _Passes(outputs, features, batch_memory, outputs_memory, features_memory)
+
+    def _memory_losses(self, net: nn.Module, loss: torch.Tensor, passes: _Passes) -> torch.Tensor:
+        """``loss`` plus every component's loss on its memory batch, normalised by the weights.
+
+        The first component, and each with ``sample_new_memory_batch``, gets a memory batch of its
+        own (the first one is that of ``passes`` when it was drawn there); the others reuse the
+        batch, outputs and features of the component before them.
+        """
+        batch_memory, outputs_memory = passes.batch_memory, passes.outputs_memory
+        features_memory = passes.features_memory
+        total_weight = self.loss_weight
+        for i, component in enumerate(self.components.values()):
+            if i == 0 or component.sample_new_memory_batch:
+                if i > 0 or batch_memory is None:
+                    batch_memory = self._sample_memory(passes.outputs.device)
+                if i > 0 or outputs_memory is None:
+                    outputs_memory = forward(net, batch_memory[0][0])
+                    features_memory = self._features()
+                self._ema_update(batch_memory, outputs_memory)
+            loss = loss + _mean(component.loss(outputs_memory, batch_memory, features_memory))
+            total_weight += component.weight
+        if self.loss_normalization and total_weight > 0:
+            loss = loss if total_weight == 1 else loss / total_weight
+        return loss
+
     def _sample_memory(self, device: torch.device) -> Any:
-        """A memory batch on ``device`` (the model's)."""
+        """A memory batch on ``device`` (the model's); its stored logits also under Renate's key
+        ``"outputs"`` (the same tensor), for components written for Renate."""
         buffer = cast(DataBuffer, self.buffer)
         batch = buffer.sample(self._memory_batch())
-        if self._samples_on_storage and buffer.device == device:
-            return batch  # DataBuffer.sample returns tensors on the storage's device
-        return _to_device(batch, device)
+        if not (self._samples_on_storage and buffer.device == device):
+            batch = to_device(batch, device, pin=True)  # pinned staging from a CPU buffer
+        memory, metadata = batch
+        if "logits" in metadata and "outputs" not in metadata:
+            metadata = metadata if isinstance(metadata, dict) else dict(metadata)
+            metadata["outputs"] = metadata["logits"]
+        return memory, metadata
 
     def _check_first_batch(
         self,
@@ -582,11 +575,8 @@ class BaseExperienceReplayLearner:
         features: Sequence[torch.Tensor],
     ) -> None:
         """Once per update, before anything trains: the batch must fit the buffer's storage."""
-        if self._batch_checked:
-            return
-        if self.buffer is not None and not isinstance(self, JointLearner):
+        if not self._batch_checked and self.buffer is not None:
             self.buffer.check_batch(inputs, targets, self._metadata(outputs, features))
-        self._batch_checked = True
 
     def _concatenated_forward(
         self, net: nn.Module, inputs: torch.Tensor, inputs_memory: torch.Tensor
@@ -609,14 +599,7 @@ class BaseExperienceReplayLearner:
                 )
         return outputs, features
 
-    def _fused_step(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        both: torch.Tensor,
-        batch_memory: Any,
-        component: WeightedCustomLossComponent,
-    ) -> dict[str, Any]:
+    def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor, passes: _Passes) -> Any:
         """The step's loss as one cross-entropy over ``[new; memory]`` (see :meth:`_fusable`).
 
         ``(w * mean(CE_new) + w_c * mean(CE_memory)) / (w + w_c)`` is a weighted sum of
@@ -627,12 +610,13 @@ class BaseExperienceReplayLearner:
         non-empty new batch and a positive component weight (a zero weight skips the memory
         cross-entropy altogether on the component's path, which a weighted sum cannot).
         """
+        both, batch_memory = passes.outputs, passes.batch_memory
         n, m = len(inputs), len(both) - len(inputs)
         outputs, outputs_memory = both.detach().split([n, m])
         self._check_first_batch(inputs, targets, outputs, [])
         self._ema_update(batch_memory, outputs_memory)
         (_, targets_memory), _ = batch_memory
-        weight, weight_memory = self.loss_weight, component.weight
+        weight, weight_memory = self.loss_weight, cast(Component, self._fused).weight
         total = weight + weight_memory
         scale = total if self.loss_normalization and total > 0 else 1.0
         per_new, per_memory = weight / (n * scale), weight_memory / (m * scale)
@@ -663,8 +647,13 @@ class BaseExperienceReplayLearner:
         exactly one component, a ``WeightedCustomLossComponent`` itself (not a subclass, whose
         loss may differ) applying the learner's loss function, both
         ``torch.nn.functional.cross_entropy`` (a mean of per-sample terms:
-        ``ExperienceReplayLearner``'s defaults). The step checks the rest (see :meth:`_step`).
+        ``ExperienceReplayLearner``'s defaults). The step checks the rest: ``(N, C)`` outputs, a
+        positive weight and a non-empty new batch (see :meth:`_forward_new_and_memory`).
         """
+        # The per-sample weights assume class labels in 0..K-1 (as fit checks for datasets) or
+        # probabilities: a label equal to cross_entropy's ignore_index (-100) drops out of the
+        # mean over both batches and would shift how the two means are weighted. Such data needs
+        # memory_forward="separate" (docs/migration.rst says so).
         components = list(self.components.values())
         if (
             not self._concatenate
@@ -686,9 +675,29 @@ class BaseExperienceReplayLearner:
         """Move the stored logits of a freshly forwarded memory batch towards the current ones."""
         (_, _), metadata = batch_memory
         if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
-            gamma = self.ema_memory_update_gamma
-            updated = gamma * metadata["logits"] + (1.0 - gamma) * outputs_memory.detach()
-            self.buffer.set_metadata("logits", metadata["idx"], updated, distinct=True)  # type: ignore[union-attr]
+            buffer = cast(DataBuffer, self.buffer)
+            gamma, idx, stored = self.ema_memory_update_gamma, metadata["idx"], metadata["logits"]
+            if self._undo is not None and not self._batch_checked:  # the first step: undoable
+                previous = stored.clone()
+                self._undo.append(
+                    lambda: buffer.set_metadata("logits", idx, previous, distinct=True)
+                )
+            updated = gamma * stored + (1.0 - gamma) * outputs_memory.detach()
+            buffer.set_metadata("logits", idx, updated, distinct=True)
+
+    def _note_first_step(self) -> None:
+        """Open the undo entries of the update's first step: the buffer's sampling generator and
+        the classes seen (the stored logits it overwrites are noted by :meth:`_ema_update`)."""
+        undo = self._undo
+        if undo is None:
+            return  # a step called outside fit
+        buffer, seen = self.buffer, self._seen_classes
+        if isinstance(buffer, DataBuffer):
+            undo.append(functools.partial(buffer.set_sampling_state, buffer.sampling_state()))
+        undo.append(functools.partial(self._restore_seen_classes, seen))
+
+    def _restore_seen_classes(self, seen: torch.Tensor | None) -> None:
+        self._seen_classes = seen
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
@@ -723,8 +732,9 @@ class BaseExperienceReplayLearner:
 
     def on_train_start(self) -> None:
         """A new update: ``mask_unused_classes`` masks the classes absent from this update, the
-        first batch is checked against the buffer's storage before it trains, and
-        ``memory_forward="auto"`` looks at the model's layers."""
+        first batch is checked against the buffer's storage before it trains,
+        ``memory_forward="auto"`` looks at the model's layers, and what the update changes
+        before its first batch went through is noted to be put back if it fails."""
         self._seen_classes = None
         self._batch_checked = False
         self._concatenate = self.memory_forward == "concatenated" or (
@@ -733,16 +743,30 @@ class BaseExperienceReplayLearner:
             and _samples_independent(self.model)
         )
         self._fused = self._fusable()
+        buffer = self.buffer
         self._samples_on_storage = (
-            isinstance(self.buffer, DataBuffer) and type(self.buffer).sample is DataBuffer.sample
+            isinstance(buffer, DataBuffer) and buffer.samples_on_storage_device
         )
+        self._undo = []
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
+        self._undo = None  # a batch went through: the update is under way
         if self.buffer is None or state.batch_skipped:
             return
+        self._add_to_buffer(batch, outputs)
+
+    def on_exception(self) -> None:
+        """The update failed before a batch went through: put back what it changed (the buffer's
+        sampling generator, stored logits, the classes seen), so that it leaves no trace."""
+        undo, self._undo = self._undo, None
+        for action in reversed(undo or ()):
+            action()
+
+    def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
         inputs, targets = _unpack(batch)
-        self.buffer.update(inputs, targets, self._metadata(outputs["logits"], outputs["features"]))
+        metadata = self._metadata(outputs["logits"], outputs["features"])
+        cast(DataBuffer, self.buffer).update(inputs, targets, metadata)
 
     @staticmethod
     def _metadata(
@@ -780,7 +804,7 @@ class BaseExperienceReplayLearner:
 class FineTuningLearner(BaseExperienceReplayLearner):
     """Plain fine-tuning on each update's data: no memory, no components (a lower baseline)."""
 
-    memory_size: int = attrs.field(default=0, validator=_int_at_least(0))
+    memory_size: int = attrs.field(default=0, validator=validators.int_at_least(0))
 
 
 @attrs.define(eq=False)
@@ -791,7 +815,7 @@ class ExperienceReplayLearner(BaseExperienceReplayLearner):
     Renate's default ``alpha = 1.0``.
     """
 
-    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
 
     def default_components(self) -> dict[str, Component]:
         return {
@@ -810,8 +834,8 @@ class DarkExperienceReplayLearner(BaseExperienceReplayLearner):
     are ``memory_loss`` (fresh memory batch) then ``mse_loss`` (same batch), as in Renate.
     """
 
-    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
-    beta: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
+    beta: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
 
     def default_components(self) -> dict[str, Component]:
         return {
@@ -833,7 +857,7 @@ class PooledOutputDistillationExperienceReplayLearner(BaseExperienceReplayLearne
     1.0``, ``distillation_type = "spatial"``, ``normalize = True``.
     """
 
-    alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
     distillation_type: str = attrs.field(default="spatial", kw_only=True)
     normalize: bool = attrs.field(default=True, kw_only=True)
 
@@ -857,8 +881,8 @@ class CLSExperienceReplayLearner(BaseExperienceReplayLearner):
     (plastic).
     """
 
-    alpha: float = attrs.field(default=0.5, kw_only=True, validator=_number_in(0, None))
-    beta: float = attrs.field(default=0.1, kw_only=True, validator=_number_in(0, None))
+    alpha: float = attrs.field(default=0.5, kw_only=True, validator=validators.real_in_range(0))
+    beta: float = attrs.field(default=0.1, kw_only=True, validator=validators.real_in_range(0))
     stable_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
     plastic_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
     stable_model_update_probability: float = attrs.field(default=0.7, kw_only=True)
@@ -891,16 +915,16 @@ class SuperExperienceReplayLearner(BaseExperienceReplayLearner):
     ``feature_modules``; with ``pod_alpha = 0`` it is skipped.
     """
 
-    der_alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
-    der_beta: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    der_alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
+    der_beta: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
     sp_shrink_factor: float = attrs.field(default=0.95, kw_only=True)
     sp_sigma: float = attrs.field(default=0.001, kw_only=True)
-    cls_alpha: float = attrs.field(default=0.1, kw_only=True, validator=_number_in(0, None))
+    cls_alpha: float = attrs.field(default=0.1, kw_only=True, validator=validators.real_in_range(0))
     cls_stable_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
     cls_plastic_model_update_weight: float = attrs.field(default=0.999, kw_only=True)
     cls_stable_model_update_probability: float = attrs.field(default=0.7, kw_only=True)
     cls_plastic_model_update_probability: float = attrs.field(default=0.9, kw_only=True)
-    pod_alpha: float = attrs.field(default=1.0, kw_only=True, validator=_number_in(0, None))
+    pod_alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
     pod_distillation_type: str = attrs.field(default="spatial", kw_only=True)
     pod_normalize: bool = attrs.field(default=True, kw_only=True)
 
@@ -945,8 +969,10 @@ class JointLearner(BaseExperienceReplayLearner):
     scratch. ``fit`` needs a dataset whose items are ``(inputs, target)`` tensors.
     """
 
-    memory_size: int = attrs.field(default=0, validator=_int_at_least(0))
+    memory_size: int = attrs.field(default=0, validator=validators.int_at_least(0))
     reset_model: bool = attrs.field(default=True, kw_only=True)
+    # Where this update's data starts in the buffer, until on_train_start notes it for undo.
+    _added_from: int | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.buffer is None:
@@ -963,15 +989,40 @@ class JointLearner(BaseExperienceReplayLearner):
         buffer = self.buffer
         if buffer is None:  # pragma: no cover - set in __attrs_post_init__
             raise RuntimeError("JointLearner has no buffer")
-        if resume_from is None:
-            self._check_data(train_data)
-            for inputs, targets in DataLoader(train_data, batch_size=1024):  # type: ignore[arg-type]
-                buffer.update(inputs, targets)
-            if self.reset_model:
-                for module in self.model.modules():
-                    if hasattr(module, "reset_parameters"):
-                        module.reset_parameters()
-        return super().fit(buffer.dataset(), val_data, resume_from=resume_from)
+        try:
+            if resume_from is None:
+                self._check_data(train_data)
+                self._add_update_data(train_data)
+                if self.reset_model:
+                    for module in self.model.modules():
+                        if hasattr(module, "reset_parameters"):
+                            module.reset_parameters()
+            return super().fit(buffer.dataset(), val_data, resume_from=resume_from)
+        except BaseException:
+            self._drop_update_data()  # when the fit failed before train_start noted it
+            raise
+
+    def _add_update_data(self, data: Any) -> None:
+        """Add the update's data to the buffer; with an :class:`InfiniteBuffer`, note where it
+        starts, so that an update failing before any of its batches trained takes it back."""
+        buffer = cast(DataBuffer, self.buffer)
+        if isinstance(buffer, InfiniteBuffer):
+            self._added_from = len(buffer)
+        for inputs, targets in DataLoader(data, batch_size=1024):
+            buffer.update(inputs, targets)
+
+    def _drop_update_data(self) -> None:
+        start, self._added_from = self._added_from, None
+        if start is not None:
+            cast(InfiniteBuffer, self.buffer).truncate(start)
+
+    def on_train_start(self) -> None:
+        """As the base learner's; the update's data is then taken back by :meth:`on_exception`
+        if the update fails before a batch went through."""
+        super().on_train_start()
+        if self._added_from is not None and self._undo is not None:
+            start, self._added_from = self._added_from, None
+            self._undo.append(functools.partial(cast(InfiniteBuffer, self.buffer).truncate, start))
 
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
         if isinstance(data, BufferDataset):  # stacked batches straight from the buffer's storage
@@ -981,8 +1032,17 @@ class JointLearner(BaseExperienceReplayLearner):
             )
         return super()._loader(data, shuffle)
 
-    def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
-        """The buffer already holds every training sample; nothing to add per step."""
+    def _check_first_batch(
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        outputs: torch.Tensor,
+        features: Sequence[torch.Tensor],
+    ) -> None:
+        """Nothing to check: the batches come from the buffer's own storage."""
+
+    def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+        """Nothing to add per step: the buffer already holds every training sample."""
 
 
 class _LiveShuffle(torch.utils.data.Sampler[int]):

@@ -664,3 +664,136 @@ def test_outputs_with_more_dimensions_keep_the_components_loss(monkeypatch, alph
         learner.fit(data)
     assert len(calls) == 6
     assert losses["concatenated"] == pytest.approx(losses["separate"], rel=1e-5, abs=1e-6)
+
+
+# -- components given to a preset ------------------------------------------------------------------
+
+
+def test_components_given_to_a_preset_run_after_its_own():
+    extra = WeightedMeanSquaredErrorLossComponent(weight=0.5)
+    learner = ExperienceReplayLearner(
+        model=_model(),
+        alpha=0.7,
+        components={"mse": extra},
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    assert list(learner.components) == ["memory_loss", "mse"]
+    assert learner.components["memory_loss"].weight == 0.7 and learner.components["mse"] is extra
+    assert [key for key, _ in learner.trainer.listeners] == ["learner", "memory_loss", "mse"]
+    listed = DarkExperienceReplayLearner(
+        model=_model(), components=[extra], trainer=Trainer(device="cpu")
+    )
+    assert list(listed.components) == [
+        "memory_loss",
+        "mse_loss",
+        "weighted_mean_squared_error_loss_component_0",
+    ]
+
+
+def test_a_component_under_a_preset_name_takes_its_place(monkeypatch):
+    calls = _count_component_losses(monkeypatch)
+    mine = HalvedLoss(torch.nn.functional.cross_entropy)
+    learner = DarkExperienceReplayLearner(
+        model=_model(),
+        components={"memory_loss": mine},
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    assert list(learner.components) == ["memory_loss", "mse_loss"]
+    assert learner.components["memory_loss"] is mine
+    learner.fit(_data(n=32))
+    assert len(calls) == 3  # the replacement replays on every step that has a memory batch
+
+
+# -- Renate's metadata key -------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class RenateStyleMSE(Component):
+    """Reads the stored logits as Renate's components do: ``batch_memory[1]["outputs"]``."""
+
+    aliased: list = attrs.field(factory=list)
+
+    def loss(self, outputs_memory, batch_memory, intermediate_representation_memory):
+        _, meta_data = batch_memory
+        self.aliased.append(meta_data["outputs"] is meta_data["logits"])
+        return self.weight * torch.nn.functional.mse_loss(outputs_memory, meta_data["outputs"])
+
+
+@pytest.mark.parametrize("mode", ["separate", "concatenated"])
+def test_memory_batches_offer_the_stored_logits_under_renates_key(mode):
+    renate = RenateStyleMSE(weight=1.0, sample_new_memory_batch=True)
+    learner = BaseExperienceReplayLearner(
+        model=_model(),
+        components={"renate_mse": renate, "mse": WeightedMeanSquaredErrorLossComponent()},
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        memory_forward=mode,
+    )
+    learner.fit(_data(n=32))
+    assert renate.aliased == [True] * 3  # the same tensor: nothing stored or copied twice
+    assert learner.buffer.metadata_keys == ("logits",)
+
+
+# -- a failed update leaves no trace ---------------------------------------------------------------
+
+
+def _nan_data(n=16):
+    return TensorDataset(torch.full((n, 6), float("nan")), torch.zeros(n, dtype=torch.int64))
+
+
+def _replayer(cls, **options):
+    return cls(
+        model=_model(),
+        memory_size=24,
+        memory_batch_size=8,
+        batch_size=8,
+        seed=3,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    ("cls", "options"),
+    [
+        (ExperienceReplayLearner, {}),  # one pass, one cross-entropy
+        (DarkExperienceReplayLearner, {"ema_memory_update_gamma": 0.5}),  # stored logits change
+        (DarkExperienceReplayLearner, {"memory_forward": "separate", "mask_unused_classes": True}),
+    ],
+    ids=["er", "der-ema", "der-separate-masked"],
+)
+def test_an_update_failing_at_its_first_batch_leaves_no_trace(tmp_path, cls, options):
+    from trainer import NonFiniteLossError
+
+    def run(with_failure):
+        learner = _replayer(cls, **options)
+        learner.fit(_data(n=32, seed=1))
+        if with_failure:
+            with pytest.raises(NonFiniteLossError, match="step 0"):
+                learner.fit(_nan_data())
+        learner.fit(_data(n=32, seed=2))
+        return _final_state(learner, tmp_path / f"{with_failure}.safetensors")
+
+    assert_same_tree(run(True), run(False))
+
+
+def test_a_joint_update_failing_at_its_first_batch_takes_its_data_back():
+    from trainer import NonFiniteLossError
+
+    learner = JointLearner(
+        model=_model(), batch_size=8, reset_model=False, trainer=Trainer(max_epochs=1)
+    )
+    learner.fit(_data(n=16))
+    before = learner.buffer.state_dict()
+    with pytest.raises(NonFiniteLossError):
+        learner.fit(_nan_data())
+    assert_same_tree(learner.buffer.state_dict(), before)
+    assert learner.fit(_data(n=16, seed=1)).steps == 4  # 32 samples: the NaN ones are gone
