@@ -352,3 +352,27 @@ def test_a_full_disk_is_a_checkpoint_error_and_leaves_the_previous_file(tmp_path
         write_checkpoint(path, {"w": torch.zeros(2)})
     assert torch.equal(read_checkpoint(path)["w"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
+
+
+# -- behaviour kept through the restructuring (found by review) ------------------------------------
+
+
+def test_fit_puts_a_model_given_in_eval_mode_into_train_mode():
+    model = make_model(dropout=0.5).eval()
+    modes = []
+    trainer = Trainer(max_epochs=1, device="cpu")
+    trainer.connect("train_start", lambda model: modes.append(model.training))
+    trainer.connect("batch_end", lambda model: modes.append(model.training))
+    _fit(trainer, model)
+    assert modes and all(modes)
+
+
+def test_a_listener_lowering_max_steps_stops_the_fit_there():
+    trainer = Trainer(max_epochs=3, device="cpu", accumulate_grad_batches=2)
+
+    def limit(state):
+        state.max_steps = 3
+
+    trainer.connect("train_start", limit)
+    result = _fit(trainer, make_model())
+    assert (result.steps, result.optimizer_steps) == (3, 2)

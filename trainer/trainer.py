@@ -78,7 +78,6 @@ class _Run:
         "distributed",
         "epochs",
         "last_loss",
-        "limit",
         "move",
         "payload",
         "scheduler",
@@ -107,7 +106,6 @@ class _Run:
         self.step_scheduler = scheduler if scheduler_interval == "step" else None
         self.check_loss = check_loss
         self.distributed = False  # these four are set by Trainer._start
-        self.limit: int | None = None
         self.move: Callable[[Any], Any] = _identity  # set by Trainer._start for the device
         self.autocast: Callable[[], Any] = contextlib.nullcontext
         self.payload: dict[str, Any] = {}
@@ -347,7 +345,8 @@ class Trainer:
         for batch_idx, batch in enumerate(batches, start=skip):
             done = batch_idx + 1
             self._train_batch(run, batch_idx, batch, last=done == length)
-            if state.should_stop or (run.limit is not None and state.global_step >= run.limit):
+            limit = state.max_steps  # read per batch: a listener may change it
+            if state.should_stop or (limit is not None and state.global_step >= limit):
                 exhausted = done == length
                 break
         if done == 0:
@@ -378,7 +377,8 @@ class Trainer:
         loss, outputs = _split_step_output(outputs)
         self._backward_or_skip(run, loss)
         # Optimizer step when the accumulation window is full or the data ends.
-        last = last or (run.limit is not None and state.global_step + 1 >= run.limit)
+        limit = state.max_steps
+        last = last or (limit is not None and state.global_step + 1 >= limit)
         if state.accumulated and (state.accumulated == self.accumulate_grad_batches or last):
             self._optimizer_step(run.step_scheduler)
         state.global_step += 1
@@ -476,13 +476,14 @@ class Trainer:
             self.grad_scaler = None
         elif self.grad_scaler is None or self.grad_scaler._device != device.type:
             self.grad_scaler = torch.amp.GradScaler(device.type)
+        model.train()  # train_start and the steps see the model in train mode
         self.training_model = ctx.wrap(model, device)
         seed = self.seed or 0
         run.train_loader = self.train_loader = ctx.shard(run.train_loader, seed)
         run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
         run.move = functools.partial(to_device, device=device)
         run.autocast = _runtime.autocast_factory(self.precision, device)
-        run.distributed, run.limit = ctx.enabled, self.max_steps
+        run.distributed = ctx.enabled
         max_epochs = self.max_epochs if self.max_epochs or self.max_steps else 1
         self.state = TrainState(max_epochs=max_epochs, max_steps=self.max_steps)
         run.payload = self._common()
