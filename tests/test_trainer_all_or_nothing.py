@@ -376,3 +376,33 @@ def test_a_listener_lowering_max_steps_stops_the_fit_there():
     trainer.connect("train_start", limit)
     result = _fit(trainer, make_model())
     assert (result.steps, result.optimizer_steps) == (3, 2)
+
+
+def test_legitimate_optimizer_variants_still_load(tmp_path):
+    model = make_model()
+    trainer = Trainer(max_steps=2, device="cpu")
+    trainer.fit(model, torch.optim.Adam(model.parameters()), _loader(), classification_step(model))
+    path = str(tmp_path / "adam.safetensors")
+    trainer.save_checkpoint(path)
+    for options in ({"foreach": True}, {"lr": torch.tensor(0.001)}):
+        trainer.load_checkpoint(path, optimizer=torch.optim.Adam(model.parameters(), **options))
+
+
+def test_fit_and_load_from_a_checkpoint_hook_are_refused(tmp_path):
+    trainer = _trained_with_counters(tmp_path)[0]
+
+    def nested(checkpoint):
+        _fit(trainer, make_model())
+
+    trainer.connect("save_checkpoint", nested, name="nested")
+    with pytest.raises(ListenerError, match="handling an event"):
+        trainer.save_checkpoint(tmp_path / "other.safetensors")
+
+
+def test_a_temporary_with_a_number_no_process_has_is_left_alone(tmp_path):
+    from trainer.checkpoint import _host
+
+    odd = tmp_path / f".ckpt.safetensors.{_host()}.{10**20}.abc123.tmp"
+    odd.write_bytes(b"x")
+    write_checkpoint(tmp_path / "ckpt.safetensors", {"w": torch.ones(1)})
+    assert odd.exists()

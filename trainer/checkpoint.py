@@ -336,10 +336,13 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
     metadata["checksums"] = _checksums(metadata, encoder.tensors)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    _remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=folder)
-    os.close(fd)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_temporaries(path)
+        fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as exc:  # no space or inodes left, no permission
+        raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
     try:
         save_file(encoder.tensors, tmp, metadata=metadata)
         umask = os.umask(0)
@@ -374,6 +377,8 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except (OverflowError, ValueError):  # not a pid this library wrote: leave the file alone
+        return True
     except PermissionError:  # alive, another user's
         return True
     return True

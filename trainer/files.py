@@ -1,15 +1,43 @@
-"""File-system helpers for durable writes: the one home of ``fsync`` in both packages.
+"""File-system helpers for durable writes: the one home of ``fsync``, file locks, temporary names.
 
-A durable replace is: write a temporary file in the target's folder, :func:`fsync_file` it,
-``os.replace`` it onto the target, then :func:`fsync_folder` the folder so that the rename
-itself survives a power loss.
+A durable replace is: write a temporary file in the target's folder (named by
+:func:`temporary_sibling`), :func:`fsync_file` it, ``os.replace`` it onto the target, then
+:func:`fsync_folder` the folder so that the rename itself survives a power loss.
+
+:class:`FileLock` is an advisory lock between processes (``fcntl.flock`` on POSIX): any number of
+shared holders, or one exclusive holder. It is released by the operating system when its holder
+dies, so a killed process never leaves a folder locked.
+
+Example:
+    >>> import os, tempfile
+    >>> target = os.path.join(tempfile.mkdtemp(), "state")
+    >>> with FileLock(lock_path(target)):
+    ...     os.path.basename(lock_path(target))
+    '.state.lock'
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import secrets
+import time
+from types import TracebackType
 
-__all__ = ["fsync_file", "fsync_folder"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "FileLock",
+    "fsync_file",
+    "fsync_folder",
+    "is_temporary_sibling",
+    "lock_path",
+    "temporary_sibling",
+]
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -30,3 +58,135 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# -- temporary names -------------------------------------------------------------------------------
+
+_SUFFIX_CHARS = 16  # hex digits of the random part
+
+
+def temporary_sibling(target: str | os.PathLike[str], tag: str) -> str:
+    """A fresh path beside ``target`` for work in progress: ``<folder>/.<name>.<tag>.<16 hex>``.
+
+    The path is not created. The name is recognised by :func:`is_temporary_sibling`, so that
+    leftovers of a killed writer can be told apart from anything else in the folder.
+
+    Args:
+        target: The file or folder that the temporary one will replace.
+        tag: What the temporary is for (letters only), e.g. ``"staging"``.
+    """
+    if not tag.isalpha():
+        raise ValueError(f"temporary_sibling: tag must be letters only, got {tag!r}")
+    folder, name = os.path.split(os.path.abspath(os.fspath(target)))
+    return os.path.join(folder, f".{name}.{tag}.{secrets.token_hex(_SUFFIX_CHARS // 2)}")
+
+
+def is_temporary_sibling(entry: str, target_name: str, tag: str) -> bool:
+    """Whether ``entry`` (a name in the target's folder) was made by :func:`temporary_sibling`."""
+    pattern = rf"\.{re.escape(target_name)}\.{re.escape(tag)}\.[0-9a-f]{{{_SUFFIX_CHARS}}}"
+    return re.fullmatch(pattern, entry) is not None
+
+
+# -- locks -----------------------------------------------------------------------------------------
+
+
+def lock_path(target: str | os.PathLike[str]) -> str:
+    """The lock file of ``target``: ``.<name>.lock`` in the same folder. It is never removed."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(target)))
+    return os.path.join(folder, f".{name}.lock")
+
+
+class FileLock:
+    """An advisory lock on a file, shared or exclusive, between processes and threads.
+
+    The lock file is created if missing (and kept: removing a lock file while another process
+    waits on it would let two holders in). Every :class:`FileLock` opens its own descriptor, so
+    two of them conflict even inside one process.
+
+    Args:
+        path: The lock file.
+        shared: True for a shared (reader) lock, False for an exclusive (writer) one.
+        timeout: Seconds to wait for the lock; 0 tries once.
+
+    Raises:
+        TimeoutError: From :meth:`acquire`, when the lock is still held by another after
+            ``timeout`` seconds.
+        OSError: When the lock file cannot be created or opened.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), ".x.lock")
+        >>> with FileLock(path, shared=True), FileLock(path, shared=True):
+        ...     pass  # two readers at once
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, shared: bool = False, timeout: float = 60.0
+    ) -> None:
+        if fcntl is None:  # pragma: no cover - Windows
+            raise OSError(errno.ENOSYS, "file locks need fcntl.flock (a POSIX system)")
+        self.path = os.fspath(path)
+        self.shared = shared
+        self.timeout = timeout
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock now."""
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock, polling until ``timeout`` runs out."""
+        if self._fd is not None:
+            raise RuntimeError(f"the lock on {self.path} is already held by this FileLock")
+        fd = self._open()
+        mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+        deadline = time.monotonic() + self.timeout
+        pause = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    what = "shared" if self.shared else "exclusive"
+                    raise TimeoutError(
+                        f"could not take the {what} lock {self.path} within {self.timeout:g} s: "
+                        "another process holds it"
+                    ) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            except BaseException:
+                os.close(fd)
+                raise
+            else:
+                self._fd = fd
+                return
+
+    def _open(self) -> int:
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | cloexec, 0o666)
+        except OSError as exc:
+            # A reader of a read-only folder can still lock an existing lock file.
+            if not self.shared or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            return os.open(self.path, os.O_RDONLY | cloexec)
+
+    def release(self) -> None:
+        """Give the lock back (closing the descriptor releases it)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __enter__(self) -> FileLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()

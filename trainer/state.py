@@ -478,6 +478,8 @@ def _check_numpy_rng(path: str, key: str, state: Any) -> None:
 def _like(live: Any, saved: Any) -> bool:
     """Whether ``saved`` has the kind and shape of ``live`` (for state dicts of a class whose
     live instance shows what its saved state must look like)."""
+    if isinstance(live, torch.Tensor) and live.numel() == 1 and _is_number(saved):
+        return True  # a learning rate given as a tensor on one side, a float on the other
     if isinstance(live, torch.Tensor):
         return (
             isinstance(saved, torch.Tensor)
@@ -487,13 +489,9 @@ def _like(live: Any, saved: Any) -> bool:
     if live is None:
         return True  # unset in the live object (a best value not seen yet, say): any kind
     if isinstance(live, bool):
-        return isinstance(saved, bool)
+        return saved is None or isinstance(saved, bool)  # flags such as foreach default to None
     if isinstance(live, numbers.Real):
-        return (
-            isinstance(saved, numbers.Real)
-            and not isinstance(saved, bool)
-            and math.isfinite(saved) == math.isfinite(live)
-        )
+        return _is_number(saved)
     if isinstance(live, str):
         return isinstance(saved, str)
     if isinstance(live, Mapping):
@@ -507,6 +505,14 @@ def _like(live: Any, saved: Any) -> bool:
             and all(_like(a, b) for a, b in zip(live, saved))
         )
     return True  # anything else (a function in LambdaLR's state, say) is the class's business
+
+
+def _is_number(value: Any) -> bool:
+    """A real number or a one-element tensor, not a bool and not NaN (infinity is a valid
+    "best so far")."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not bool(torch.isnan(value.detach().float()).any())
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 def _section_problems(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:

@@ -401,9 +401,10 @@ class Trainer:
         scheduler_interval: str,
     ) -> _Run:
         """Check the arguments; nothing of the trainer changes here."""
-        if self._run is not None:
+        if self._run is not None or self.events.dispatching or self._collecting:
             raise RuntimeError(
-                "fit() was called while this trainer is already fitting (from a listener?); "
+                "fit() was called while this trainer is already fitting or handling an event "
+                "(from a listener?); "
                 "one trainer runs one fit at a time: use a second Trainer for a nested fit"
             )
         _v.check_one_of("scheduler_interval", scheduler_interval, ("epoch", "step"))
@@ -821,9 +822,10 @@ class Trainer:
             CheckpointFormatError: The file is not a readable checkpoint.
             CheckpointMismatchError: Keys, shapes or dtypes differ; the message lists them all.
         """
-        if self.events.dispatching:
+        if self.events.dispatching or self._run is not None:
             raise RuntimeError(
-                "cannot load a checkpoint while a listener is handling an event; resume a run "
+                "cannot load a checkpoint while a listener is handling an event or a fit is "
+                "running; resume a run "
                 "with fit(..., resume_from=path) or load between fits"
             )
         model = self.model if model is None else model
@@ -876,8 +878,10 @@ class Trainer:
         except BaseException as exc:
             if undo is not None:
                 undo()
-            _state.roll_back(self, snapshot)
+            # Listeners first: one that writes to the TrainState while loading (EarlyStopping's
+            # should_stop) must not change it after the trainer's own rollback.
             self._roll_back_listeners(plan, before, path, exc)
+            _state.roll_back(self, snapshot)
             raise
 
     def _listener_snapshot(self, plan: list[str], path: str) -> dict[str, Any]:
