@@ -127,23 +127,49 @@ def test_rewriting_a_folder_replaces_it_whole(tmp_path):
     updater = _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s")
     updater.update(_task(), task_id=1)
     updater.update(_task(), task_id=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]  # the lock file stays
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["task_ids"] == [1, 2] and manifest["updates"] == 2
 
 
-def test_invalid_configuration():
-    with pytest.raises(ValueError, match="unknown learner 'gem'"):
-        ModelUpdater(torch.nn.Linear(2, 2), learner="gem")
-    with pytest.raises(ValueError, match="'name' in"):
-        ModelUpdater(torch.nn.Linear(2, 2), optimizer={"name": "lbfgs"})
-    with pytest.raises(TypeError, match="must be JSON-able"):
-        ModelUpdater(torch.nn.Linear(2, 2), learner_kwargs={"loss_fn": print})
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"learner": "gem"}, r"ModelUpdater.learner must be one of \[.*\], got 'gem'"),
+        ({"optimizer": {"name": "lbfgs"}}, "'name' in"),
+        ({"optimizer": {"name": "adam", "lr": "x"}}, "torch.optim refuses {'lr': 'x'}"),
+        ({"optimizer": {"name": "sgd", "lr": -1.0}}, "Invalid learning rate"),
+        ({"learner_kwargs": {"loss_fn": print}}, "must be JSON-able"),
+        ({"learner_kwargs": {"alpha": float("nan")}}, "must be JSON-able"),
+        ({"learner_kwargs": {1: 2}}, "must be a dict with string keys"),
+        ({"learner_kwargs": {"memroy_size": 5}}, r"unknown arguments \['memroy_size'\]"),
+        ({"learner_kwargs": {"buffer": "x"}}, r"unknown arguments \['buffer'\]"),
+        ({"trainer_kwargs": {"epochs": 2}}, r"trainer_kwargs has unknown arguments \['epochs'\]"),
+        ({"metadata": []}, "must be a dict"),
+        ({"in_place": "yes"}, "ModelUpdater.in_place must be a bool"),
+        ({"lock_timeout": -1}, "ModelUpdater.lock_timeout must be"),
+        ({"output_state_folder": 3}, "must be a path or None"),
+    ],
+)
+def test_invalid_configuration(kwargs, message):
+    with pytest.raises(ValueError, match=message):  # WrongTypeError is a ValueError too
+        ModelUpdater(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_a_bad_task_id_or_memory_size_is_refused_before_training(tmp_path):
+    updater = _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s")
+    with pytest.raises(TypeError, match="task_id must be a str, an int or None"):
+        updater.update(_task(), task_id=1.5)
+    assert not (tmp_path / "s").exists()
+    bad = _updater(torch.nn.Linear(4, 2), learner_kwargs={"memory_size": "10"})
+    with pytest.raises(ValueError, match=r"learner_kwargs\['memory_size'\] must be an int"):
+        bad.learner_instance  # noqa: B018
 
 
 def test_an_interrupted_folder_swap_is_repaired_on_read(tmp_path):
     updater = _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s")
     updater.update(_task(), task_id="kept")
-    (tmp_path / "s").rename(tmp_path / ".s.old.abc123")  # the crash: old moved aside, new not in
+    # the crash: the old folder moved aside (as StagedStateFolder.commit names it), the new not in
+    (tmp_path / "s").rename(tmp_path / ".s.old.0123456789abcdef")
     assert read_manifest(tmp_path / "s")["task_ids"] == ["kept"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]
