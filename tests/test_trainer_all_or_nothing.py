@@ -406,3 +406,15 @@ def test_a_temporary_with_a_number_no_process_has_is_left_alone(tmp_path):
     odd.write_bytes(b"x")
     write_checkpoint(tmp_path / "ckpt.safetensors", {"w": torch.ones(1)})
     assert odd.exists()
+
+
+def test_a_resume_refused_by_a_listener_puts_the_trainer_back(tmp_path):
+    trainer, model, _, second, path = _trained_with_counters(tmp_path)
+    _fit(trainer, model)
+    steps, attached = trainer.state.global_step, (trainer.model, trainer.optimizer)
+    second.refuse = True
+    other = make_model(seed=2)
+    with pytest.raises(ListenerError, match="not for me"):
+        _fit(trainer, other, resume_from=path)
+    assert trainer.state.global_step == steps
+    assert (trainer.model, trainer.optimizer) == attached

@@ -323,7 +323,7 @@ def take_snapshot(trainer: Any, *, model: bool = True) -> dict[str, Any]:
         "scheduler": None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
         "grad_scaler": None if scaler is None else scaler.state_dict(),
         "grads": [None if p.grad is None else p.grad.clone() for p in _params(optimizer)],
-        "rng": _runtime.get_rng_state(),
+        "rng": _runtime.get_rng_state(trainer.train_loader),
         "state": attrs.asdict(trainer.state, recurse=False),
     }
 
@@ -340,7 +340,7 @@ def roll_back(trainer: Any, snapshot: Mapping[str, Any]) -> None:
         trainer.grad_scaler.load_state_dict(snapshot["grad_scaler"])
     for param, grad in zip(_params(optimizer), snapshot["grads"]):
         param.grad = grad
-    _runtime.set_rng_state(snapshot["rng"])
+    _runtime.set_rng_state(snapshot["rng"], trainer.train_loader)
     for name, value in snapshot["state"].items():
         setattr(trainer.state, name, value)
 

@@ -118,6 +118,18 @@ def _identity(value: Any) -> Any:
     return value
 
 
+_REPLACED_BY_FIT = (
+    "state",
+    "model",
+    "optimizer",
+    "scheduler",
+    "grad_scaler",
+    "training_model",
+    "train_loader",
+)
+"""The trainer attributes a fit sets at its start; a refused resume puts them back."""
+
+
 def _device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     _runtime.resolve_device(value)
 
@@ -314,11 +326,12 @@ class Trainer:
         # Prepare: check the arguments and the checkpoint; nothing has changed yet.
         run = self._prepare(train_loader, step, val_loader, val_step, scheduler, scheduler_interval)
         resume = self._read_resume(resume_from, model, optimizer, scheduler, train_loader)
+        before = self._attachments()
         self._start(run, model, optimizer, scheduler, resuming=resume is not None)
         try:
             # Train start; a resumed fit then restores the checkpoint over what its hooks did.
             self._emit("train_start", train_loader=run.train_loader, scheduler=scheduler)
-            self._resume(resume)
+            self._resume(resume, before)
             self._check_ranks_agree()
             self._validate_pending(run)
             # Epochs, until max_epochs, max_steps or a listener's state.should_stop.
@@ -494,12 +507,19 @@ class Trainer:
             if self.seed is not None:
                 _runtime.seed_everything(self.seed)
 
-    def _resume(self, resume: tuple[str, dict[str, Any], list[str]] | None) -> None:
-        """Restore the checkpoint read in :meth:`_read_resume` (all or nothing)."""
+    def _resume(
+        self, resume: tuple[str, dict[str, Any], list[str]] | None, before: tuple[Any, ...]
+    ) -> None:
+        """Restore the checkpoint read in :meth:`_read_resume` (all or nothing: if it is refused,
+        the trainer's state and attachments from ``before`` the fit are put back)."""
         if resume is None:
             return
         path, tree, plan = resume
-        self._apply_checkpoint(path, tree, plan, loader=self.train_loader)
+        try:
+            self._apply_checkpoint(path, tree, plan, loader=self.train_loader)
+        except BaseException:
+            self._restore_attachments(before)
+            raise
         state = self.state
         if state.finished(state.resume_at[0]) and not state.validation_pending:
             warnings.warn(
@@ -508,6 +528,14 @@ class Trainer:
                 "restore it with load_checkpoint() and call fit() without resume_from.",
                 stacklevel=3,
             )
+
+    def _attachments(self) -> tuple[Any, ...]:
+        """What a fit replaces at its start (see :meth:`_restore_attachments`)."""
+        return tuple(getattr(self, name) for name in _REPLACED_BY_FIT)
+
+    def _restore_attachments(self, values: tuple[Any, ...]) -> None:
+        for name, value in zip(_REPLACED_BY_FIT, values):
+            setattr(self, name, value)
 
     def _validate_pending(self, run: _Run) -> None:
         """A checkpoint taken after an epoch, before its validation: run it now, as that epoch's."""
