@@ -418,3 +418,46 @@ def test_a_resume_refused_by_a_listener_puts_the_trainer_back(tmp_path):
         _fit(trainer, other, resume_from=path)
     assert trainer.state.global_step == steps
     assert (trainer.model, trainer.optimizer) == attached
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (_progress("optimizer_steps", 10**6), CheckpointFormatError, "optimizer_steps"),
+        (_progress("batch", 10**6), CheckpointMismatchError, "resumes at batch 1000000"),
+        (
+            lambda tree: tree["rng"]["current"]["python"].__setitem__("version", 99),
+            CheckpointFormatError,
+            "rng.current.python",
+        ),
+        (
+            lambda tree: tree["rng"]["current"].__setitem__("cuda", 5),
+            CheckpointFormatError,
+            "rng.current.cuda",
+        ),
+        (
+            lambda tree: tree["optimizer"]["param_groups"][0].__setitem__("params", [0, 1, 2, 9]),
+            CheckpointMismatchError,
+            "parameter ids",
+        ),
+    ],
+)
+def test_a_resume_from_an_edited_file_is_refused_before_train_start(tmp_path, change, error, match):
+    trainer, model, path = _saved(tmp_path)
+    _edit(path, change)
+    started = []
+    trainer.connect("train_start", lambda: started.append(True))
+    with pytest.raises(error, match=match):
+        trainer.fit(
+            model, trainer.optimizer, _loader(), classification_step(model), resume_from=path
+        )
+    assert started == []
+
+
+def test_adam_moments_of_a_broadcastable_but_wrong_shape_are_refused(tmp_path):
+    trainer, _, path = _saved(tmp_path, optimizer="adam")
+    _edit(
+        path, lambda tree: tree["optimizer"]["state"]["0"].__setitem__("exp_avg", torch.ones(1, 6))
+    )
+    with pytest.raises(CheckpointMismatchError, match="'exp_avg' of parameter 0 has shape"):
+        trainer.load_checkpoint(path)

@@ -405,6 +405,8 @@ def _check_layout(path: str, tree: Mapping[str, Any]) -> None:
                 raise _bad(path, f"trainer.progress.{key}", "true or false", value)
         elif not _is_count(value):
             raise _bad(path, f"trainer.progress.{key}", "an int >= 0", value)
+    if progress["optimizer_steps"] > progress["global_step"]:
+        raise _bad(path, "trainer.progress.optimizer_steps", "<= global_step", progress)
     if progress["batch"] and progress["validation_pending"]:
         raise _bad(path, "trainer.progress.batch", "0 while a validation is pending", progress)
     for key in ("optimizer_class", "precision"):
@@ -433,6 +435,9 @@ def _check_rng(path: str, key: str, rng: Any) -> None:
     if not isinstance(rng, dict) or "torch" not in rng or "python" not in rng:
         raise _bad(path, key, "a mapping with the 'torch' and 'python' RNG states", rng)
     _check_generator_state(path, f"{key}.torch", rng["torch"])
+    for part in ("cuda", "loader"):
+        if not isinstance(rng.get(part, []), list):
+            raise _bad(path, f"{key}.{part}", "a list of generator states", rng[part])
     for i, state in enumerate(rng.get("cuda") or []):
         if not (
             isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1
@@ -444,7 +449,7 @@ def _check_rng(path: str, key: str, rng: Any) -> None:
     internal = python.get("state") if isinstance(python, dict) else None
     valid = (
         isinstance(python, dict)
-        and _is_count(python.get("version"))
+        and python.get("version") == 3
         and isinstance(internal, list)
         and len(internal) == 625
         and all(_is_count(x) and x < 2**32 for x in internal)
@@ -622,8 +627,10 @@ def _optimizer_problems(
             f"optimizer: parameter groups of sizes {saved_sizes} in the file, "
             f"{live_sizes} in the optimizer"
         ]
-    problems = []
+    problems = _parameter_id_problems(groups, states)
     for i, (live, group) in enumerate(zip(optimizer.param_groups, groups)):
+        if "lr" in live and "lr" not in group:
+            problems.append(f"optimizer: param_groups[{i}] has no 'lr' in the file")
         for key in sorted(set(live) & set(group) - {"params"}):
             if not _like(live[key], group[key]):
                 problems.append(
@@ -636,9 +643,14 @@ def _optimizer_problems(
     return problems
 
 
+_FACTORED_STATE = frozenset({"row_var", "col_var"})
+
+
 def _parameter_state_problems(states: Mapping[str, Any], params: list[torch.Tensor]) -> list[str]:
     """Per-parameter state (Adam's moments, say) must fit its parameter: a tensor of more than one
-    element has the parameter's rank, each dimension equal to the parameter's or 1."""
+    element has the parameter's shape (factored statistics such as Adafactor's ``row_var`` and
+    ``col_var``: the parameter's rank, each dimension equal or 1), and no tensor is empty unless
+    its parameter is."""
     problems = []
     for index, values in states.items():
         position = int(index) if str(index).isdigit() else -1
@@ -648,10 +660,11 @@ def _parameter_state_problems(states: Mapping[str, Any], params: list[torch.Tens
         shape = tuple(params[position].shape)
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
-                fits = value.numel() <= 1 or (
-                    value.dim() == len(shape)
-                    and all(a in (b, 1) for a, b in zip(value.shape, shape))
+                factored = name in _FACTORED_STATE and value.dim() == len(shape)
+                fits = (value.numel() == 1 or tuple(value.shape) == shape) or (
+                    factored and all(a in (b, 1) for a, b in zip(value.shape, shape))
                 )
+                fits = fits and (value.numel() > 0 or params[position].numel() == 0)
                 if not fits:
                     problems.append(
                         f"optimizer: state {name!r} of parameter {index} has shape "
@@ -663,6 +676,18 @@ def _parameter_state_problems(states: Mapping[str, Any], params: list[torch.Tens
                     "not a tensor or a number"
                 )
     return problems
+
+
+def _parameter_id_problems(groups: list[dict[str, Any]], states: Mapping[str, Any]) -> list[str]:
+    """The groups' ``params`` are the ids 0..n-1, each once (as ``state_dict()`` numbers them)."""
+    ids = [i for group in groups for i in group.get("params", [])]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or sorted(ids) != list(
+        range(len(ids))
+    ):
+        return [
+            f"optimizer: the parameter ids of the groups are {show(ids)}, not 0..{len(ids) - 1}"
+        ]
+    return []
 
 
 def _pending_grad_problems(pending: Any, params: list[torch.Tensor]) -> list[str]:
@@ -711,13 +736,30 @@ def _scaler_problems(tree: Mapping[str, Any], trainer: Any) -> list[str]:
             f"grad scaler: the file was written with precision "
             f"{tree['trainer'].get('precision')!r}, this trainer uses {trainer.precision!r}"
         ]
-    live = trainer.grad_scaler.state_dict() if trainer.grad_scaler is not None else {}
-    return _section_problems("grad scaler", live, saved) if live else []
+    scaler = trainer.grad_scaler or torch.amp.GradScaler("cpu")  # a fresh one shows the layout
+    live = scaler.state_dict()
+    problems = _section_problems("grad scaler", live, saved) if live else []
+    scale, interval = saved.get("scale"), saved.get("growth_interval")
+    if not problems and live and not (_is_number(scale) and 0 < float(scale) < math.inf):
+        problems.append(f"grad scaler: scale is {show(scale)}, not a positive finite number")
+    if not problems and live and not (_is_count(interval) and interval >= 1):
+        problems.append(f"grad scaler: growth_interval is {show(interval)}, not an int >= 1")
+    return problems
 
 
 def _loader_problems(tree: Mapping[str, Any], loader: Any) -> list[str]:
     if loader is None:
         return []
+    batch = tree["trainer"]["progress"]["batch"]
+    try:
+        length = len(loader)
+    except TypeError:
+        length = None
+    if length is not None and batch > length:
+        return [
+            f"train_loader: the file resumes at batch {batch} of an epoch, the train_loader has "
+            f"{length} batches; resume with the loader the checkpoint was taken with"
+        ]
     have = len(_runtime.loader_generators(loader))
     problems = []
     for when in ("current", "epoch_start"):

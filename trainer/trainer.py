@@ -392,7 +392,8 @@ class Trainer:
         # Optimizer step when the accumulation window is full or the data ends.
         limit = state.max_steps
         last = last or (limit is not None and state.global_step + 1 >= limit)
-        if state.accumulated and (state.accumulated == self.accumulate_grad_batches or last):
+        # >=: a mid-window checkpoint may be resumed with a smaller accumulate_grad_batches
+        if state.accumulated and (state.accumulated >= self.accumulate_grad_batches or last):
             self._optimizer_step(run.step_scheduler)
         state.global_step += 1
         state.resume_at = (state.epoch, batch_idx + 1)
