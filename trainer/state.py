@@ -750,16 +750,8 @@ def _scaler_problems(tree: Mapping[str, Any], trainer: Any) -> list[str]:
 def _loader_problems(tree: Mapping[str, Any], loader: Any) -> list[str]:
     if loader is None:
         return []
-    batch = tree["trainer"]["progress"]["batch"]
-    try:
-        length = len(loader)
-    except TypeError:
-        length = None
-    if length is not None and batch > length:
-        return [
-            f"train_loader: the file resumes at batch {batch} of an epoch, the train_loader has "
-            f"{length} batches; resume with the loader the checkpoint was taken with"
-        ]
+    # The resume batch is not checked against len(loader): a loader may only get its data at
+    # train_start (JointLearner's does), after this check.
     have = len(_runtime.loader_generators(loader))
     problems = []
     for when in ("current", "epoch_start"):
