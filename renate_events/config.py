@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import inspect
 import os
@@ -55,6 +54,8 @@ from typing import Any
 import attrs
 import torch
 from torch.utils.data import Dataset, TensorDataset
+
+from trainer.files import sha256_of_file
 
 __all__ = ["CONFIG_FUNCTIONS", "REQUIRED", "ConfigError", "ConfigFile", "load_config"]
 
@@ -92,14 +93,6 @@ RENAMES = {
 class ConfigError(ValueError):
     """Raised when a config file is missing, does not load, lacks a function, defines one with
     the wrong parameters, raises inside one, or returns something of the wrong kind."""
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _own_frame(path: str, exc: BaseException) -> str:
@@ -202,7 +195,7 @@ def load_config(path: str | os.PathLike[str]) -> ConfigFile:
         )
     for name, function in functions.items():
         _check_signature(path, name, function)
-    return ConfigFile(path=path, sha256=_sha256(path), functions=functions)
+    return ConfigFile(path=path, sha256=sha256_of_file(path), functions=functions)
 
 
 def _as_dataset(path: str, name: str, value: Any) -> Dataset[Any]:

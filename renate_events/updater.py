@@ -70,6 +70,7 @@ from trainer.files import (
     fsync_folder,
     is_temporary_sibling,
     lock_path,
+    sha256_of_file,
     temporary_sibling,
 )
 
@@ -473,14 +474,6 @@ def _model_signature(model: nn.Module) -> dict[str, list[Any]]:
     }
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # -- locks -------------------------------------------------------------------------------------
 
 
@@ -631,7 +624,7 @@ def _read_verified(folder: str) -> tuple[dict[str, Any], str]:
         file = os.path.join(folder, name)
         if os.path.islink(file) or not os.path.isfile(file):
             raise StateFolderError(f"{folder} lacks the plain file {name} that its manifest lists")
-        if _sha256(file) != checksum:
+        if sha256_of_file(file) != checksum:
             raise StateFolderError(f"{file} does not match the checksum in its manifest")
     return manifest, hashlib.sha256(raw).hexdigest()
 
@@ -899,7 +892,7 @@ def _write_contents(staging: str, learner: BaseExperienceReplayLearner, manifest
     """Write the checkpoint and the manifest into ``staging``; return the manifest's token."""
     checkpoint = os.path.join(staging, _CHECKPOINT)
     learner.save_checkpoint(checkpoint)
-    manifest = {**manifest, "files": {_CHECKPOINT: _sha256(checkpoint)}}
+    manifest = {**manifest, "files": {_CHECKPOINT: sha256_of_file(checkpoint)}}
     _check_manifest(os.path.join(staging, _MANIFEST), manifest)
     raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
     with open(os.path.join(staging, _MANIFEST), "xb") as handle:

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -36,6 +37,7 @@ __all__ = [
     "fsync_folder",
     "is_temporary_sibling",
     "lock_path",
+    "sha256_of_file",
     "temporary_sibling",
 ]
 
@@ -44,6 +46,15 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
     """Flush a written file's data to disk."""
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def sha256_of_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks (hex digest)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync_folder(folder: str | os.PathLike[str]) -> None:
