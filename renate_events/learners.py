@@ -137,6 +137,22 @@ class _Passes(NamedTuple):
     fused: bool = False
 
 
+def _metric_functions(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """``{name: fn(outputs, targets)}``, named as listeners are, other than loss and accuracy."""
+    name = validators.field_name(instance, attribute)
+    for key, function in value.items():
+        if not (isinstance(key, str) and validators.NAME_PATTERN.fullmatch(key)):
+            raise validators.WrongTypeError(
+                f"{name} keys must be names of letters, digits and _ (reported as val_<name>), got {key!r}"
+            )
+        if key in ("loss", "accuracy"):
+            raise ValueError(f"{name}: {key!r} is reported already; choose another name")
+        if not callable(function):
+            raise validators.WrongTypeError(
+                f"{name}[{key!r}] must be a function (outputs, targets) -> scalar, got {function!r}"
+            )
+
+
 def _named_components(components: Any) -> dict[str, Component]:
     if isinstance(components, Mapping):
         named = dict(components)
@@ -227,6 +243,10 @@ class BaseExperienceReplayLearner:
         learning_rate_scheduler: Optional factory ``f(optimizer)`` of a scheduler.
         learning_rate_scheduler_interval: ``"epoch"`` or ``"step"``.
         seed: Seeds the default buffer and the trainer (when it has no seed of its own).
+        metrics: ``{name: fn(outputs, targets)}``, each reported by validation as ``val_<name>``
+            (the mean over batches) beside ``val_loss`` and ``val_accuracy``.
+        collate_fn: The ``DataLoader`` collate function for datasets that are not a
+            ``TensorDataset``.
         trainer: The trainer to drive (epochs, device, precision, ...); subscribe your own
             listeners to it.
         memory_forward: How the new batch and the step's first memory batch go through the
@@ -285,6 +305,14 @@ class BaseExperienceReplayLearner:
         default="auto",
         kw_only=True,
         validator=validators.one_of("auto", "concatenated", "separate"),
+    )
+    metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] = attrs.field(
+        factory=dict, kw_only=True, converter=dict, validator=_metric_functions
+    )
+    collate_fn: Callable[[list[Any]], Any] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("collate_fn(samples) -> batch")),
     )
 
     _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
@@ -454,7 +482,9 @@ class BaseExperienceReplayLearner:
             # In-memory tensors: batches by indexing, no per-sample fetch and collate.
             return TensorLoader(tensors, batch_size=self._new_batch_size, shuffle=shuffle)
         if isinstance(data, Dataset):
-            return DataLoader(data, batch_size=self._new_batch_size, shuffle=shuffle)
+            return DataLoader(
+                data, batch_size=self._new_batch_size, shuffle=shuffle, collate_fn=self.collate_fn
+            )
         return data
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -703,10 +733,13 @@ class BaseExperienceReplayLearner:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
         inputs, targets = _unpack(batch)
         outputs = self._forward(inputs)
-        return {
+        reported = {
             "loss": self.loss_fn(outputs, targets).mean(),
             "accuracy": (outputs.argmax(dim=-1) == targets).float().mean(),
         }
+        for name, metric in self.metrics.items():
+            reported[name] = torch.as_tensor(metric(outputs, targets)).float().mean()
+        return reported
 
     def _memory_batch(self) -> int:
         limit = self.memory_size if self.memory_size > 0 else self.memory_batch_size
