@@ -3,13 +3,26 @@
 A *state folder* holds everything an update needs to continue where the previous one stopped:
 
 ``manifest.json``
-    ``{"format": "renate_events.state", "format_version": 1, "learner": "der", "learner_kwargs":
+    ``{"format": "renate_events.state", "format_version": 2, "learner": "der", "learner_kwargs":
     {...}, "optimizer": {...}, "buffer": "reservoir", "trainer": {...}, "model": {"<parameter>":
-    [shape, dtype], ...}, "updates": 3, "task_ids": [...], "metadata": {...}, "files":
-    {"learner.safetensors": "<sha256>"}}``
+    [shape, dtype], ...}, "architecture": "...", "updates": 3, "task_ids": [...], "history":
+    [{...}, ...], "config": {...} | null, "validation_memory": true, "metadata": {...}, "files":
+    {"learner.safetensors": "<sha256>", ...}}``. ``history`` has one record per update: its task
+    id, steps, logged metrics, hyperparameters, the names of the functions it used, the sample
+    shapes of its data and the best-model selection. ``config`` is the config file's name, SHA-256
+    and text (kept to say what changed when a later update uses another).
 ``learner.safetensors``
-    the learner's trainer checkpoint (model, optimizer, buffer, components, RNG; see
-    :mod:`trainer.checkpoint`).
+    the learner's trainer checkpoint (model, optimizer, buffer, components, validation memory,
+    RNG; see :mod:`trainer.checkpoint`).
+``model.safetensors``
+    the model alone, loadable with ``safetensors.torch.load_file`` and ``load_state_dict``
+    without this library (the deployable artifact).
+``model.json``
+    a short card: the architecture's name, the config file's SHA-256, the parameters' shapes and
+    the update history (task id, steps, metrics of each update).
+
+Folders of format version 1 (``manifest.json`` and ``learner.safetensors`` only) are read as
+well; the next update writes them as version 2.
 
 Writing and reading (the rules of ``docs/guarantees.rst``, "State folders"):
 
@@ -38,15 +51,19 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any, TypeVar
 
 import attrs
+import safetensors.torch
 import torch
 from safetensors import SafetensorError
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from renate_events.config import ConfigFile, load_config
 from renate_events.learners import (
     BaseExperienceReplayLearner,
     CLSExperienceReplayLearner,
@@ -56,15 +73,18 @@ from renate_events.learners import (
     JointLearner,
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
+    forward,
 )
 from renate_events.memory import (
     DataBuffer,
     GreedyClassBalancingBuffer,
+    InfiniteBuffer,
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
 from trainer import CheckpointError, FitResult, Trainer
 from trainer import validators as checks
+from trainer.data import to_device
 from trainer.files import (
     FileLock,
     fsync_folder,
@@ -73,16 +93,19 @@ from trainer.files import (
     sha256_of_file,
     temporary_sibling,
 )
+from trainer.listeners import EarlyStopping
 
 __all__ = [
     "BUFFERS",
     "LEARNERS",
     "OPTIMIZERS",
+    "TRANSFORMS",
     "ModelUpdater",
     "StagedStateFolder",
     "StateFolderBusyError",
     "StateFolderConflictError",
     "StateFolderError",
+    "UpdateInputError",
     "read_manifest",
     "state_token",
 ]
@@ -114,11 +137,15 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 FORMAT_NAME = "renate_events.state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _CHECKPOINT = "learner.safetensors"
+_MODEL = "model.safetensors"
+_MODEL_CARD = "model.json"
 _MANIFEST = "manifest.json"
-_FILES = (_CHECKPOINT,)  # the files a state folder holds besides its manifest
-_MANIFEST_KEYS = frozenset(
+_FILES = (_CHECKPOINT, _MODEL, _MODEL_CARD)  # the files a state folder holds besides its manifest
+_FILES_V1 = (_CHECKPOINT,)
+_MANIFEST_KEYS_V1 = frozenset(
     [
         "format",
         "format_version",
@@ -134,9 +161,24 @@ _MANIFEST_KEYS = frozenset(
         "files",
     ]
 )
+_MANIFEST_KEYS = _MANIFEST_KEYS_V1 | {"architecture", "history", "config", "validation_memory"}
 _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_JSON_DEPTH = 64
-_SET_BY_THE_UPDATER = frozenset(("model", "optimizer", "trainer", "buffer"))
+_MAX_CONFIG_TEXT = 1 << 20  # a config file's text is kept in the manifest up to this size
+TRANSFORMS = (
+    "train_transform",
+    "train_target_transform",
+    "buffer_transform",
+    "buffer_target_transform",
+    "test_transform",
+)
+"""The transform arguments of :class:`ModelUpdater` (Renate's names), passed to the learner."""
+_CALLABLES = ("loss_fn", "learning_rate_scheduler", "collate_fn", *TRANSFORMS)
+_SET_BY_THE_UPDATER = frozenset(
+    ("model", "optimizer", "trainer", "buffer", "metrics", "components", *_CALLABLES)
+)
+_STRUCTURAL = ("memory_size", "feature_modules")  # learner_kwargs that shape the stored state
+_VALIDATION_MEMORY = "validation_memory"  # the listener's name in the learner's checkpoint
 _T = TypeVar("_T")
 
 
@@ -147,6 +189,12 @@ class StateFolderError(ValueError):
 
 class StateFolderBusyError(StateFolderError):
     """Raised when another process held a state folder's lock for longer than ``lock_timeout``."""
+
+
+class UpdateInputError(ValueError):
+    """Raised before training when the data does not fit the model or the state folder (sample
+    shapes or dtypes, labels, a model that refuses the inputs), when a config file differs from
+    the one the state folder was written with, or when the best-model metric is not reported."""
 
 
 class StateFolderConflictError(StateFolderError):
@@ -213,11 +261,6 @@ def _check_optimizer(name: str, value: Any) -> None:
         raise ValueError(f"{name}: torch.optim refuses {options!r} for {choice!r}: {exc}") from None
 
 
-def _optimizer_config(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _json_object(instance, attribute, value)
-    _check_optimizer(checks.field_name(instance, attribute), value)
-
-
 def _folder(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, (str, os.PathLike)) and os.fspath(value)):
         raise checks.WrongTypeError(
@@ -238,7 +281,143 @@ def _key(folder: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(parent), name)
 
 
+def _optimizer_config(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if callable(value) and not isinstance(value, Mapping):
+        return  # a factory f(params), recorded by name
+    _json_object(instance, attribute, value)
+    _check_optimizer(checks.field_name(instance, attribute), value)
+
+
+def _optional_callable(signature: str) -> Any:
+    return attrs.validators.optional(checks.is_callable(signature))
+
+
+def _listeners(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    for listener in value:
+        if listener is None or isinstance(listener, (str, bytes, int, float)):
+            raise checks.WrongTypeError(
+                f"{checks.field_name(instance, attribute)} must be listener objects, got "
+                f"{listener!r}"
+            )
+
+
+def _transforms(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    name = checks.field_name(instance, attribute)
+    for key, function in value.items():
+        if key not in TRANSFORMS:
+            raise ValueError(f"{name} has the unknown key {key!r}; known are {list(TRANSFORMS)}")
+        if not callable(function):
+            raise checks.WrongTypeError(f"{name}[{key!r}] must be a callable, got {function!r}")
+
+
+def _describe(function: Any) -> str:
+    """What a state folder records of a callable: where it is defined and its name."""
+    if isinstance(function, functools.partial):
+        return f"partial({_describe(function.func)})"
+    if isinstance(function, _ConfigFunction):
+        return f"{os.path.basename(function.config.path)}:{function.name}"
+    module = getattr(function, "__module__", None) or "?"
+    if module.startswith("_renate_events_config_"):  # defined in a config file
+        module = "config"
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{module}.{name}"
+
+
 # -- the updater -------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _BestWeights:
+    """Keeps a CPU copy of the model's weights at its best validation of one update."""
+
+    model: nn.Module
+    metric: str
+    mode: str
+    best: float | None = None
+    epoch: int | None = None
+    weights: dict[str, torch.Tensor] | None = None
+
+    def on_validation_end(self, state: Any, metrics: Mapping[str, float]) -> None:
+        value = float(metrics[self.metric])
+        if value != value:  # NaN is never the best
+            return
+        if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
+            self.best, self.epoch = value, int(state.epoch)
+            self.weights = {
+                key: tensor.detach().to("cpu", copy=True)
+                for key, tensor in self.model.state_dict().items()
+            }
+
+
+@attrs.define(eq=False)
+class _ValidationMemory:
+    """Validation data of earlier updates, kept in the learner's checkpoint (Renate keeps all of
+    it; ``max_size`` bounds it with reservoir sampling)."""
+
+    buffer: DataBuffer
+
+    def on_save_checkpoint(self, checkpoint: Any) -> None:
+        checkpoint["buffer"] = self.buffer.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        if "buffer" not in checkpoint:
+            raise ValueError("the validation memory's state has no 'buffer'")
+        self.buffer.load_state_dict(checkpoint["buffer"])
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if len(self.buffer) == 0:
+            return None
+        inputs, targets = self.buffer.dataset().__getitems__(list(range(len(self.buffer))))
+        return inputs, targets
+
+
+def _tensors_of(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """All of ``data`` as ``(inputs, targets)`` tensors, read batch by batch."""
+    tensors = getattr(data, "tensors", None)
+    if isinstance(tensors, tuple) and len(tensors) == 2:
+        return tensors
+    parts: list[Any] = []
+    for batch in DataLoader(data, batch_size=512, shuffle=False, collate_fn=collate_fn):
+        if not (
+            isinstance(batch, (tuple, list))
+            and len(batch) == 2
+            and all(isinstance(part, torch.Tensor) for part in batch)
+        ):
+            raise UpdateInputError(
+                f"{what}: the validation memory keeps (inputs, targets) tensor batches, got "
+                f"{type(batch).__name__}; pass validation_memory=False "
+                "(renate-events --no-validation-memory) for other data"
+            )
+        parts.append(batch)
+    if not parts:
+        raise UpdateInputError(f"{what} is empty; pass None for no validation data")
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _sample_signature(inputs: Any, targets: Any) -> dict[str, Any]:
+    """The per-sample shape and dtype of a batch, as the manifest records them."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return [list(value.shape[1:]), str(value.dtype).replace("torch.", "")]
+        return type(value).__name__
+
+    return {"inputs": one(inputs), "targets": one(targets)}
+
+
+def _first_difference(old: str, new: str) -> str:
+    """``line 12: 'a' became 'b'`` for the first lines that differ between two texts."""
+    import difflib
+
+    old_lines, new_lines = old.splitlines(), new.splitlines()
+    matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        was = old_lines[i1].strip() if i1 < i2 else "(nothing)"
+        now = new_lines[j1].strip() if j1 < j2 else "(nothing)"
+        return f"line {j1 + 1}: {was!r} became {now!r}"
+    return "only whitespace at the ends of lines differs"
 
 
 @attrs.define(eq=False)
@@ -249,9 +428,11 @@ class ModelUpdater:
         model: The model to update; its architecture must match the input state folder's.
         learner: A name from :data:`LEARNERS`.
         learner_kwargs: Keyword arguments of the learner (JSON-able: ``memory_size``,
-            ``alpha``, ``batch_size``, ``seed``, ...).
-        optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``; a fresh optimizer is made for
-            every update.
+            ``alpha``, ``batch_size``, ``seed``, ...). A later update may change them, except
+            ``memory_size`` and ``feature_modules`` (they shape the stored buffer).
+        optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``, or a factory
+            ``f(params)`` returning a ``torch.optim.Optimizer``; a fresh optimizer is made for
+            every update (Renate's behaviour).
         buffer: A name from :data:`BUFFERS` (used by learners with a memory).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
@@ -264,10 +445,37 @@ class ModelUpdater:
         in_place: Allow ``output_state_folder`` to be ``input_state_folder``.
         lock_timeout: Seconds to wait for another process's lock on a state folder before
             :class:`StateFolderBusyError`.
+        loss_fn: ``(outputs, targets) -> losses`` (default: the learner's cross-entropy).
+        learning_rate_scheduler: ``f(optimizer)`` returning a scheduler, made for every update.
+        learning_rate_scheduler_interval: ``"epoch"`` or ``"step"``.
+        listeners: Listeners subscribed to the learner's trainer (their checkpoint state, if any,
+            is kept in the state folder, so later updates must subscribe the same ones).
+        metrics: ``{name: fn(outputs, targets)}``, reported by validation as ``val_<name>``.
+        collate_fn: The ``DataLoader`` collate function for datasets that are not tensors.
+        transforms: Functions on whole batches under Renate's names (:data:`TRANSFORMS`),
+            passed to the learner.
+        metric: A validation metric (``"val_loss"``, ``"val_accuracy"``, ``"val_<name>"``): the
+            output state holds the model's weights from the validation where it was best, and
+            early stopping watches it. None: the weights after the last epoch.
+        mode: ``"min"`` or ``"max"``: whether a lower or a higher ``metric`` is better.
+        early_stopping_enabled: Stop an update once ``metric`` has not improved for
+            ``early_stopping_patience`` validations.
+        early_stopping_patience: See ``early_stopping_enabled``.
+        validation_memory: Validate each update on its own validation data and on all earlier
+            updates' (Renate's validation memory), kept in the state folder.
+        validation_memory_size: At most this many validation samples are kept (reservoir
+            sampling); None keeps all of them.
+        config_file: The config file the functions came from (see :meth:`from_config`); its
+            SHA-256 and text are recorded, and a later update from a different file is refused
+            unless ``accept_config_change``.
+        accept_config_change: Allow a config file that differs from the state folder's.
+        architecture: The model's name for ``model.json`` (default: the model's
+            ``architecture`` attribute, or its class name).
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
             be written; after training, :class:`StateFolderConflictError` when it changed.
+        UpdateInputError: From :meth:`update`, before training, when the data does not fit.
 
     Example:
         >>> import torch, tempfile
@@ -287,7 +495,7 @@ class ModelUpdater:
     model: nn.Module = attrs.field(validator=attrs.validators.instance_of(nn.Module))
     learner: str = attrs.field(default="der", validator=checks.one_of(*LEARNERS))
     learner_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=_learner_kwargs)
-    optimizer: dict[str, Any] = attrs.field(
+    optimizer: dict[str, Any] | Callable[..., torch.optim.Optimizer] = attrs.field(
         factory=lambda: {"name": "adam", "lr": 3e-4}, validator=_optimizer_config
     )
     buffer: str = attrs.field(default="reservoir", validator=checks.one_of(*BUFFERS))
@@ -299,10 +507,96 @@ class ModelUpdater:
     )
     in_place: bool = attrs.field(default=False, validator=checks.boolean)
     lock_timeout: float = attrs.field(default=60.0, validator=checks.real_in_range(0.0))
+    loss_fn: Callable[..., torch.Tensor] | None = attrs.field(
+        default=None, kw_only=True, validator=_optional_callable("(outputs, targets) -> losses")
+    )
+    learning_rate_scheduler: Callable[[torch.optim.Optimizer], Any] | None = attrs.field(
+        default=None, kw_only=True, validator=_optional_callable("(optimizer) -> scheduler")
+    )
+    learning_rate_scheduler_interval: str = attrs.field(
+        default="epoch", kw_only=True, validator=checks.one_of("epoch", "step")
+    )
+    listeners: Sequence[Any] = attrs.field(
+        factory=tuple, kw_only=True, converter=tuple, validator=_listeners
+    )
+    metrics: Mapping[str, Callable[..., Any]] = attrs.field(
+        factory=dict, kw_only=True, converter=dict
+    )
+    collate_fn: Callable[[list[Any]], Any] | None = attrs.field(
+        default=None, kw_only=True, validator=_optional_callable("(samples) -> batch")
+    )
+    transforms: Mapping[str, Callable[..., Any]] = attrs.field(
+        factory=dict, kw_only=True, converter=dict, validator=_transforms
+    )
+    metric: str | None = attrs.field(
+        default=None, kw_only=True, validator=checks.non_empty_string("a name", optional=True)
+    )
+    mode: str = attrs.field(default="min", kw_only=True, validator=checks.one_of("min", "max"))
+    early_stopping_enabled: bool = attrs.field(
+        default=False, kw_only=True, validator=checks.boolean
+    )
+    early_stopping_patience: int = attrs.field(
+        default=3, kw_only=True, validator=checks.int_at_least(1)
+    )
+    validation_memory: bool = attrs.field(default=True, kw_only=True, validator=checks.boolean)
+    validation_memory_size: int | None = attrs.field(
+        default=None, kw_only=True, validator=checks.int_at_least(1, optional=True)
+    )
+    config_file: ConfigFile | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs.validators.instance_of(ConfigFile)),
+    )
+    accept_config_change: bool = attrs.field(default=False, kw_only=True, validator=checks.boolean)
+    architecture: str | None = attrs.field(
+        default=None, kw_only=True, validator=checks.non_empty_string("a name", optional=True)
+    )
 
     _learner: BaseExperienceReplayLearner | None = attrs.field(init=False, default=None)
     _manifest: dict[str, Any] | None = attrs.field(init=False, default=None)
     _seen: dict[str, str | None] = attrs.field(init=False, factory=dict)
+    _memory: _ValidationMemory | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.early_stopping_enabled and self.metric is None:
+            raise ValueError(
+                "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
+                "'val_loss' (and mode='min') or another validation metric"
+            )
+
+    @classmethod
+    def from_config(
+        cls, config: ConfigFile | str | os.PathLike[str], **kwargs: Any
+    ) -> ModelUpdater:
+        """An updater whose model and functions come from a config file (see
+        :mod:`renate_events.config`); ``kwargs`` are the other arguments of the class.
+
+        ``model_fn`` makes the model (unless ``model`` is given), and ``loss_fn``,
+        ``optimizer_fn``, ``lr_scheduler_fn``, ``listeners``, ``metrics_fn``, ``collate_fn`` and
+        the transform functions, where the file defines them, give the arguments of the same
+        meaning. The file's SHA-256 and text are recorded in the state folder.
+        """
+        if not isinstance(config, ConfigFile):
+            config = load_config(config)
+        functions: dict[str, Any] = {"config_file": config, "model": kwargs.pop("model", None)}
+        if functions["model"] is None:
+            functions["model"] = config.model()
+        if config.has("loss_fn"):
+            functions["loss_fn"] = config.loss()
+        if config.has("optimizer_fn"):
+            functions["optimizer"] = _ConfigFunction(config, "optimizer_fn")
+        if config.has("lr_scheduler_fn"):
+            functions["learning_rate_scheduler"] = _ConfigFunction(config, "lr_scheduler_fn")
+            functions["learning_rate_scheduler_interval"] = _scheduler_interval(config)
+        functions["listeners"] = config.listeners()
+        functions["metrics"] = config.metrics()
+        functions["collate_fn"] = config.collate()
+        functions["transforms"] = {
+            name: function
+            for name in TRANSFORMS
+            if (function := config.transform(name)) is not None
+        }
+        return cls(**{**functions, **kwargs})
 
     @property
     def learner_instance(self) -> BaseExperienceReplayLearner:
@@ -319,16 +613,37 @@ class ModelUpdater:
     ) -> FitResult:
         """Train on one new chunk of data and, if configured, write the output state folder.
 
-        The output folder is checked before training and again, under its lock, before it is
-        replaced (see the class and module docstrings).
+        Before training, the data is checked against the model (one forward pass on a sample)
+        and against the samples of earlier updates, the best-model metric against what the
+        update reports, and the output folder against what may be written (see the class and
+        module docstrings). With ``metric``, the model ends with its best validation's weights.
         """
         _check_task_id(task_id)
         learner = self.learner_instance
         expected = self._expected_output()
-        result = learner.fit(train_dataset, val_dataset)
+        signature = self._check_inputs(learner, train_dataset, "the training data")
+        current, validation = self._validation_data(val_dataset)
+        self._check_metric(validation is not None)
+        best = None if self.metric is None else _BestWeights(learner.model, self.metric, self.mode)
+        started = time.time()
+        with ExitStack() as stack:
+            if best is not None:
+                stack.enter_context(learner.trainer.subscribed(best, name="_best_weights"))
+            if self.early_stopping_enabled:
+                stopper = EarlyStopping(
+                    monitor=self.metric, mode=self.mode, patience=self.early_stopping_patience
+                )
+                stack.enter_context(learner.trainer.subscribed(stopper, name="_early_stopping"))
+            result = learner.fit(train_dataset, validation)
+        if best is not None and best.weights is not None:
+            learner.model.load_state_dict(best.weights)
+        if current is not None and self._memory is not None:
+            self._memory.buffer.update(*current)
+        record = self._record(task_id, result, signature, best, time.time() - started)
         manifest = self._manifest_now()
         manifest["updates"] += 1
         manifest["task_ids"].append(task_id)
+        manifest["history"].append(record)
         self._manifest = manifest
         if self.output_state_folder is not None:
             staged = self.stage_state(self.output_state_folder, expected=expected)
@@ -360,6 +675,129 @@ class ModelUpdater:
         manifest = self._manifest_now()
         return _stage(_key(folder), self.learner_instance, manifest, expected, self.lock_timeout)
 
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One record per update so far (of this updater and the folders it continued)."""
+        return list(self._manifest_now()["history"])
+
+    # -- checks before training ----------------------------------------------------------------
+
+    def _check_inputs(
+        self, learner: BaseExperienceReplayLearner, data: Any, what: str
+    ) -> dict[str, Any] | None:
+        """One forward pass on a sample, and the sample shapes against the earlier updates'."""
+        if not isinstance(data, Dataset):
+            return None  # a loader or iterable: checked batch by batch by the trainer
+        try:
+            learner._check_data(data)  # empty data, labels outside the model's outputs
+        except ValueError as exc:
+            raise UpdateInputError(f"{what}: {exc}") from None
+        inputs, targets = _first_batch(data, self.collate_fn, what)
+        signature = _sample_signature(inputs, targets)
+        earlier = [r["data"] for r in self._manifest_now()["history"] if r.get("data")]
+        if earlier and earlier[-1] != signature:
+            raise UpdateInputError(
+                f"{what}: its samples are {_shown(signature)}, but the state was trained on "
+                f"samples of {_shown(earlier[-1])}; give data of the same shape and dtype"
+            )
+        self._probe(learner, inputs, what)
+        return signature
+
+    def _probe(self, learner: BaseExperienceReplayLearner, inputs: Any, what: str) -> None:
+        model = learner.model
+        transform = self.transforms.get("train_transform")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                batch = to_device(inputs, device)
+                if transform is not None:
+                    batch = transform(batch)
+                forward(model, batch)
+        except Exception as exc:
+            shape = _shown(_sample_signature(inputs, None))
+            raise UpdateInputError(
+                f"{what}: the model does not accept its samples ({shape}); it raised "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())}. Make model_fn's first "
+                "layer fit the data (or reshape the data)"
+            ) from None
+        finally:
+            model.train(was_training)
+
+    def _check_metric(self, validating: bool) -> None:
+        if self.metric is None:
+            return
+        reported = ["val_loss", "val_accuracy", *(f"val_{name}" for name in self.metrics)]
+        if not validating:
+            raise UpdateInputError(
+                f"ModelUpdater.metric {self.metric!r} needs validation data: pass val_dataset "
+                "(data_fn returning (train, validation)) or leave metric unset"
+            )
+        if self.metric not in reported:
+            raise UpdateInputError(
+                f"ModelUpdater.metric {self.metric!r} is not reported by validation; it reports "
+                f"{reported}"
+            )
+
+    def _validation_data(self, val_dataset: Any) -> tuple[tuple[torch.Tensor, ...] | None, Any]:
+        """This update's validation tensors (to keep afterwards) and what it validates on."""
+        if self._memory is None:
+            return None, val_dataset
+        current = None
+        if val_dataset is not None:
+            current = _tensors_of(val_dataset, self.collate_fn, "the validation data")
+            self._memory.buffer.check_batch(*current)
+        kept = self._memory.data()
+        if kept is None:
+            return current, None if current is None else TensorDataset(*current)
+        if current is None:
+            return None, TensorDataset(*kept)
+        return current, TensorDataset(*(torch.cat(pair) for pair in zip(kept, current)))
+
+    def _record(
+        self,
+        task_id: Any,
+        result: FitResult,
+        signature: dict[str, Any] | None,
+        best: _BestWeights | None,
+        seconds: float,
+    ) -> dict[str, Any]:
+        metrics = {
+            name: float(value)
+            for name, value in result.metrics.items()
+            if isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+        }
+        functions: dict[str, Any] = {
+            name: _describe(getattr(self, name))
+            for name in ("loss_fn", "learning_rate_scheduler", "collate_fn")
+            if getattr(self, name) is not None
+        }
+        functions.update({name: _describe(f) for name, f in self.transforms.items()})
+        functions["metrics"] = sorted(self.metrics)
+        functions["listeners"] = [type(listener).__name__ for listener in self.listeners]
+        return {
+            "task_id": task_id,
+            "steps": int(result.steps),
+            "epochs": int(result.epochs),
+            "stopped_early": bool(result.stopped_early),
+            "seconds": round(seconds, 3),
+            "metrics": metrics,
+            "learner_kwargs": dict(self.learner_kwargs),
+            "optimizer": self._optimizer_record(),
+            "functions": functions,
+            "data": signature,
+            "best": None
+            if best is None or best.best is None
+            else {
+                "metric": best.metric,
+                "mode": best.mode,
+                "value": best.best,
+                "epoch": best.epoch,
+            },
+            "config_sha256": None if self.config_file is None else self.config_file.sha256,
+        }
+
     # -- building and loading ------------------------------------------------------------------
 
     def _build(self) -> BaseExperienceReplayLearner:
@@ -369,32 +807,83 @@ class ModelUpdater:
 
             def load() -> tuple[dict[str, Any], str]:
                 manifest, token = _read_verified(folder)
+                manifest = _upgraded(manifest)
                 self._check_compatible(manifest)
+                if manifest["validation_memory"]:
+                    self._subscribe_memory(learner)
                 learner.load_checkpoint(os.path.join(folder, _CHECKPOINT))
                 return manifest, token
 
-            self._manifest, self._seen[folder] = _read(folder, self.lock_timeout, load)
+            try:
+                self._manifest, self._seen[folder] = _read(folder, self.lock_timeout, load)
+            except BaseException:
+                if self._memory is not None:
+                    learner.trainer.unsubscribe(self._memory)
+                    self._memory = None
+                raise
+        if self.validation_memory and self._memory is None:
+            self._subscribe_memory(learner)
+        elif not self.validation_memory and self._memory is not None:
+            learner.trainer.unsubscribe(self._memory)  # dropped: the next state has none
+            self._memory = None
         return learner
 
+    def _subscribe_memory(self, learner: BaseExperienceReplayLearner) -> None:
+        seed = self.learner_kwargs.get("seed", 0)
+        size = self.validation_memory_size
+        buffer = (
+            InfiniteBuffer(seed=seed) if size is None else ReservoirBuffer(max_size=size, seed=seed)
+        )
+        self._memory = _ValidationMemory(buffer)
+        learner.trainer.subscribe(self._memory, name=_VALIDATION_MEMORY)
+
     def _make_learner(self) -> BaseExperienceReplayLearner:
-        options = dict(self.optimizer)
-        factory = OPTIMIZERS[options.pop("name", "adam")]
         kwargs = dict(self.learner_kwargs)
         learner_class = LEARNERS[self.learner]
-        memory_size = kwargs.get(
-            "memory_size", attrs.fields_dict(learner_class)["memory_size"].default
-        )
+        fields = attrs.fields_dict(learner_class)
+        memory_size = kwargs.get("memory_size", fields["memory_size"].default)
         checks.check_int("ModelUpdater.learner_kwargs['memory_size']", memory_size, 0)
         if memory_size > 0 and learner_class is not JointLearner:
             kwargs["buffer"] = BUFFERS[self.buffer](
                 max_size=memory_size, seed=kwargs.get("seed", 0)
             )
+        given = {
+            "loss_fn": self.loss_fn,
+            "learning_rate_scheduler": self.learning_rate_scheduler,
+            "collate_fn": self.collate_fn,
+            "metrics": self.metrics or None,
+            **self.transforms,
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        unsupported = sorted(name for name in given if name not in fields)
+        if unsupported:
+            raise ValueError(
+                f"ModelUpdater: the learner {self.learner!r} takes no {unsupported}; leave them "
+                "out for this learner"
+            )
+        if self.learning_rate_scheduler is not None:
+            given["learning_rate_scheduler_interval"] = self.learning_rate_scheduler_interval
+        trainer = Trainer(**self.trainer_kwargs)
+        for listener in self.listeners:
+            trainer.subscribe(listener)
         return learner_class(
             model=self.model,
-            optimizer=functools.partial(factory, **options),
-            trainer=Trainer(**self.trainer_kwargs),
+            optimizer=self._optimizer_factory(),
+            trainer=trainer,
+            **given,
             **kwargs,
         )
+
+    def _optimizer_factory(self) -> Callable[..., torch.optim.Optimizer]:
+        if not isinstance(self.optimizer, Mapping):
+            return self.optimizer
+        options = dict(self.optimizer)
+        return functools.partial(OPTIMIZERS[options.pop("name", "adam")], **options)
+
+    def _optimizer_record(self) -> dict[str, Any]:
+        if isinstance(self.optimizer, Mapping):
+            return dict(self.optimizer)
+        return {"function": _describe(self.optimizer)}
 
     def _expected_output(self) -> str | None:
         """Check the output folder before training; remember what it holds now."""
@@ -419,10 +908,20 @@ class ModelUpdater:
         return {
             "learner": self.learner,
             "learner_kwargs": self.learner_kwargs,
-            "optimizer": self.optimizer,
+            "optimizer": self._optimizer_record(),
             "buffer": self.buffer,
             "model": _model_signature(self.model),
         }
+
+    def _config_record(self) -> dict[str, Any] | None:
+        config = self.config_file
+        if config is None:
+            return None
+        text = None
+        if os.path.getsize(config.path) <= _MAX_CONFIG_TEXT:
+            with open(config.path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+        return {"file": os.path.basename(config.path), "sha256": config.sha256, "text": text}
 
     def _manifest_now(self) -> dict[str, Any]:
         manifest = dict(self._manifest) if self._manifest is not None else {}
@@ -431,25 +930,115 @@ class ModelUpdater:
             format_version=FORMAT_VERSION,
             trainer=self.trainer_kwargs,
             metadata=self.metadata,
+            architecture=self.architecture or _architecture(self.model),
+            validation_memory=self._memory is not None,
             **self._config(),
         )
+        if self.config_file is not None or "config" not in manifest:
+            manifest["config"] = self._config_record()
         manifest.setdefault("updates", 0)
         manifest["task_ids"] = list(manifest.get("task_ids", []))
+        manifest["history"] = list(manifest.get("history", []))
         return manifest
 
     def _check_compatible(self, manifest: Mapping[str, Any]) -> None:
         mine = self._config()
         differences = [
             f"{key}: the folder has {manifest[key]!r}, this updater {mine[key]!r}"
-            for key in ("learner", "learner_kwargs", "optimizer", "buffer")
+            for key in ("learner", "buffer")
             if manifest[key] != mine[key]
         ]
+        for key in _STRUCTURAL:
+            saved = manifest["learner_kwargs"].get(key)
+            live = self.learner_kwargs.get(key)
+            if saved != live:
+                differences.append(
+                    f"learner_kwargs[{key!r}]: the folder has {saved!r}, this updater {live!r}"
+                )
         differences += _model_differences(manifest["model"], mine["model"])
         if differences:
             raise StateFolderError(
                 f"the state folder {self.input_state_folder} was written by a different "
                 "configuration: " + "; ".join(differences)
             )
+        self._check_config_file(manifest["config"])
+
+    def _check_config_file(self, saved: Mapping[str, Any] | None) -> None:
+        if saved is None or self.config_file is None or self.accept_config_change:
+            return
+        if saved["sha256"] == self.config_file.sha256:
+            return
+        change = "its text was not kept"
+        if saved.get("text") is not None:
+            with open(self.config_file.path, encoding="utf-8", errors="replace") as handle:
+                change = _first_difference(saved["text"], handle.read())
+        raise UpdateInputError(
+            f"the state folder {self.input_state_folder} was written with another config file "
+            f"({saved['file']}, SHA-256 {saved['sha256'][:12]}...; {self.config_file.path} is "
+            f"{self.config_file.sha256[:12]}...): {change}. Use the same file, or accept the "
+            "change (accept_config_change=True, renate-events update --accept-config-change)"
+        )
+
+
+@attrs.frozen
+class _ConfigFunction:
+    """A config file's ``optimizer_fn`` or ``lr_scheduler_fn``, called through its checks."""
+
+    config: ConfigFile
+    name: str
+
+    def __call__(self, argument: Any) -> Any:
+        if self.name == "optimizer_fn":
+            return self.config.optimizer(argument)
+        scheduler = self.config.scheduler(argument)
+        return None if scheduler is None else scheduler[0]
+
+
+def _scheduler_interval(config: ConfigFile) -> str:
+    """The interval ``lr_scheduler_fn`` asks for, from a call on a stand-in optimizer."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = config.scheduler(stand_in)
+    return "epoch" if scheduler is None else scheduler[1]
+
+
+def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, Any]:
+    tensors = getattr(data, "tensors", None)
+    if isinstance(tensors, tuple) and len(tensors) == 2:
+        return tensors[0][:2], tensors[1][:2]
+    try:
+        batch = next(iter(DataLoader(data, batch_size=2, shuffle=False, collate_fn=collate_fn)))
+    except StopIteration:
+        raise UpdateInputError(f"{what} is empty; pass data for the update") from None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise UpdateInputError(
+            f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"
+        )
+    return batch[0], batch[1]
+
+
+def _shown(signature: Mapping[str, Any]) -> str:
+    inputs = signature.get("inputs")
+    if isinstance(inputs, list):
+        return f"{inputs[1]} {tuple(inputs[0])}"
+    return str(inputs)
+
+
+def _architecture(model: nn.Module) -> str:
+    name = getattr(model, "architecture", None)
+    return name if isinstance(name, str) and name else type(model).__name__
+
+
+def _upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 manifest in the shape of version 2 (a history without details)."""
+    if manifest["format_version"] >= 2:
+        return manifest
+    return {
+        **manifest,
+        "history": [{"task_id": task_id} for task_id in manifest["task_ids"]],
+        "config": None,
+        "architecture": None,
+        "validation_memory": False,
+    }
 
 
 def _model_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
@@ -688,17 +1277,22 @@ def _check_manifest(path: str, manifest: Any) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise StateFolderError(f"{path} is not a renate_events state manifest")
     version = manifest.get("format_version")
-    if not checks.is_int(version) or version != FORMAT_VERSION:
+    if not checks.is_int(version) or version not in _READABLE_VERSIONS:
         raise StateFolderError(
-            f"{path} has format version {version!r}; this release reads version {FORMAT_VERSION}"
+            f"{path} has format version {version!r}; this release reads versions "
+            f"{list(_READABLE_VERSIONS)}"
         )
-    missing, unknown = _MANIFEST_KEYS - set(manifest), set(manifest) - _MANIFEST_KEYS
+    keys = _MANIFEST_KEYS if version >= 2 else _MANIFEST_KEYS_V1
+    missing, unknown = keys - set(manifest), set(manifest) - keys
     if missing or unknown:
         raise StateFolderError(
             f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
         )
+    steps = [_check_learner, _check_model, _check_progress, _check_files]
+    if version >= 2:
+        steps += [_check_history, _check_config]
     try:
-        for check in (_check_learner, _check_model, _check_progress, _check_files):
+        for check in steps:
             check(f"{path}: key", manifest)
     except ValueError as exc:  # the shared checks raise ValueError (and WrongTypeError)
         raise StateFolderError(str(exc)) from None
@@ -717,7 +1311,12 @@ def _check_learner(key: str, manifest: dict[str, Any]) -> None:
     known = _learner_arguments(LEARNERS[manifest["learner"]])
     _unknown_keys(f"{key} 'learner_kwargs'", manifest["learner_kwargs"], known)
     _unknown_keys(f"{key} 'trainer'", manifest["trainer"], _trainer_arguments())
-    _check_optimizer(f"{key} 'optimizer'", manifest["optimizer"])
+    optimizer = manifest["optimizer"]
+    if set(optimizer) == {"function"}:  # a factory, recorded by name
+        if not isinstance(optimizer["function"], str):
+            raise checks.WrongTypeError(f"{key} 'optimizer.function' must be a string")
+    else:
+        _check_optimizer(f"{key} 'optimizer'", optimizer)
 
 
 def _check_model(key: str, manifest: dict[str, Any]) -> None:
@@ -746,11 +1345,78 @@ def _check_progress(key: str, manifest: dict[str, Any]) -> None:
             raise checks.WrongTypeError(f"{key} 'task_ids' holds {task_id!r}, not a str or int")
 
 
+_HISTORY_KEYS = frozenset(
+    [
+        "task_id",
+        "steps",
+        "epochs",
+        "stopped_early",
+        "seconds",
+        "metrics",
+        "learner_kwargs",
+        "optimizer",
+        "functions",
+        "data",
+        "best",
+        "config_sha256",
+    ]
+)
+
+
+def _check_history(key: str, manifest: dict[str, Any]) -> None:
+    """One record per update, of the keys :meth:`ModelUpdater.update` writes."""
+    if not isinstance(manifest["validation_memory"], bool):
+        raise checks.WrongTypeError(f"{key} 'validation_memory' must be true or false")
+    if not (isinstance(manifest["architecture"], str) and manifest["architecture"]):
+        raise checks.WrongTypeError(f"{key} 'architecture' must be a non-empty string")
+    history = manifest["history"]
+    if not isinstance(history, list) or len(history) != manifest["updates"]:
+        raise checks.WrongTypeError(
+            f"{key} 'history' must be a list of one record per update ({manifest['updates']})"
+        )
+    for index, record in enumerate(history):
+        where = f"{key} 'history[{index}]'"
+        _check_dict(where, record)
+        unknown = sorted(set(record) - _HISTORY_KEYS)
+        if unknown or record.get("task_id", object()) != manifest["task_ids"][index]:
+            raise ValueError(
+                f"{where} must hold the task id of update {index} and only the keys "
+                f"{sorted(_HISTORY_KEYS)} (unknown: {unknown})"
+            )
+        for name in ("steps", "epochs"):
+            if name in record:
+                checks.check_int(f"{where}.{name}", record[name], 0)
+        metrics = record.get("metrics", {})
+        _check_dict(f"{where}.metrics", metrics)
+        for name, value in metrics.items():
+            if not checks.is_real(value):
+                raise checks.WrongTypeError(f"{where}.metrics.{name} must be a number")
+        data = record.get("data")
+        if data is not None:
+            _check_dict(f"{where}.data", data)
+
+
+def _check_config(key: str, manifest: dict[str, Any]) -> None:
+    config = manifest["config"]
+    if config is None:
+        return
+    _check_dict(f"{key} 'config'", config)
+    if set(config) != {"file", "sha256", "text"}:
+        raise ValueError(f"{key} 'config' must have the keys file, sha256, text")
+    if not (isinstance(config["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", config["sha256"])):
+        raise ValueError(f"{key} 'config.sha256' must be a SHA-256 in hex")
+    if not isinstance(config["file"], str) or not (
+        config["text"] is None or isinstance(config["text"], str)
+    ):
+        raise checks.WrongTypeError(f"{key} 'config' file must be a string, text a string or null")
+
+
 def _check_files(key: str, manifest: dict[str, Any]) -> None:
     files = manifest["files"]
     _check_dict(f"{key} 'files'", files)
-    if sorted(files) != sorted(_FILES):
-        raise ValueError(f"{key} 'files' must list exactly {list(_FILES)}, got {sorted(files)}")
+    expected = _FILES if manifest["format_version"] >= 2 else _FILES_V1
+    if sorted(files) != sorted(expected):
+        raise ValueError(f"{key} 'files' must list exactly {list(expected)}, got {sorted(files)}")
     for name, checksum in files.items():
         if not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{64}", checksum)):
             raise ValueError(f"{key} 'files.{name}' must be a SHA-256 in hex, got {checksum!r}")
@@ -889,18 +1555,50 @@ def _stage(
 
 
 def _write_contents(staging: str, learner: BaseExperienceReplayLearner, manifest: dict) -> str:
-    """Write the checkpoint and the manifest into ``staging``; return the manifest's token."""
+    """Write the checkpoint, the model alone, its card and the manifest into ``staging``; return
+    the manifest's token."""
     checkpoint = os.path.join(staging, _CHECKPOINT)
     learner.save_checkpoint(checkpoint)
-    manifest = {**manifest, "files": {_CHECKPOINT: sha256_of_file(checkpoint)}}
+    model_file = os.path.join(staging, _MODEL)
+    weights = {  # copies: tied or non-contiguous tensors are saved whole, each under its name
+        name: tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in learner.model.state_dict().items()
+    }
+    safetensors.torch.save_file(weights, model_file, metadata={"format": "pt"})
+    card = os.path.join(staging, _MODEL_CARD)
+    _write_json(card, _model_card(manifest))
+    files = {name: sha256_of_file(os.path.join(staging, name)) for name in _FILES}
+    manifest = {**manifest, "files": files}
     _check_manifest(os.path.join(staging, _MANIFEST), manifest)
-    raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
-    with open(os.path.join(staging, _MANIFEST), "xb") as handle:
+    raw = _write_json(os.path.join(staging, _MANIFEST), manifest)
+    fsync_folder(staging)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _model_card(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.json``: what a deployment needs to know about ``model.safetensors``."""
+    config = manifest["config"]
+    return {
+        "format": "renate_events.model",
+        "format_version": 1,
+        "architecture": manifest["architecture"],
+        "config_sha256": None if config is None else config["sha256"],
+        "parameters": manifest["model"],
+        "learner": manifest["learner"],
+        "updates": [
+            {key: record.get(key) for key in ("task_id", "steps", "metrics", "best")}
+            for record in manifest["history"]
+        ],
+    }
+
+
+def _write_json(path: str, value: Any) -> bytes:
+    raw = json.dumps(value, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
+    with open(path, "xb") as handle:
         handle.write(raw)
         handle.flush()
         os.fsync(handle.fileno())
-    fsync_folder(staging)
-    return hashlib.sha256(raw).hexdigest()
+    return raw
 
 
 def _write_state_folder(

@@ -244,7 +244,10 @@ def _files(files):
             _files(lambda m: {**m["files"], "../escape": m["files"]["learner.safetensors"]}),
             "'files'",
         ),
-        (_files(lambda m: {"learner.safetensors": "abc"}), "'files.learner.safetensors'"),
+        (
+            _files(lambda m: {**m["files"], "learner.safetensors": "abc"}),
+            "'files.learner.safetensors'",
+        ),
         (_set("format_version", "1"), "format version '1'"),
         (_set("format_version", True), "format version True"),
         (_set("format_version", 1.0), "format version 1.0"),
