@@ -35,6 +35,8 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.config import ConfigError, ConfigFile, load_config
+from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.scenarios import SCENARIOS
 from renate_events.updater import (
     BUFFERS,
@@ -42,6 +44,9 @@ from renate_events.updater import (
     ModelUpdater,
     StagedStateFolder,
     StateFolderError,
+    UpdateInputError,
+    check_config_file,
+    dataset_tensors,
     read_manifest,
     state_token,
 )
@@ -55,6 +60,8 @@ _PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 _MAX_PARAMETERS = 10**9  # 4 GB of float32: the command line builds small MLPs
 _MAX_SEED = 2**63
 _RESULT_FILES = ("metrics.csv", "accuracy_matrix.png", "results.json")  # results.json last
+_DEDICATED = frozenset(("memory_size", "batch_size", "memory_batch_size", "seed"))
+"""Learner hyperparameters with options of their own (``--memory-size``, ...; ``--seed``)."""
 
 
 class UsageError(Exception):
@@ -70,32 +77,116 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> Any:  # type: ignore[override]
+        if message.startswith("unrecognized arguments: --"):
+            message += "; no option or learner hyperparameter has that name"
         raise UsageError(f"{message} (see {self.prog} -h)")
 
 
-def _training_options(p: argparse.ArgumentParser) -> None:
+def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
+    """The learner, buffer, optimizer and trainer options. ``later``: for ``update``, where an
+    option left out keeps the input state's value (or, for a first update, the default)."""
+
+    def default(value: Any) -> Any:
+        return None if later else value
+
+    keeps = " (default: the input state's, else %s)" if later else " (default %s)"
     p.add_argument(
         "--learner",
         choices=sorted(LEARNERS),
-        default="der",
-        help="continual-learning method (default: der, i.e. DER++)",
+        default=default("der"),
+        help="continual-learning method" + keeps % "der, i.e. DER++",
     )
     p.add_argument(
-        "--buffer", choices=list(BUFFERS), default="reservoir", help="memory buffer type"
+        "--buffer", choices=list(BUFFERS), default=default("reservoir"), help="memory buffer type"
     )
-    p.add_argument("--memory-size", type=int, default=200, help="buffer slots (default 200)")
-    p.add_argument("--epochs", type=int, default=10, help="epochs per update (default 10)")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--batch-size", type=int, default=32, help="new-data batch (default 32)")
-    p.add_argument("--memory-batch-size", type=int, default=32, help="memory batch (default 32)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda:0")
+    p.add_argument(
+        "--memory-size", type=int, default=default(200), help="buffer slots" + keeps % 200
+    )
+    p.add_argument("--epochs", type=int, default=default(10), help="epochs per update" + keeps % 10)
+    p.add_argument(
+        "--lr", type=float, default=default(1e-3), help="Adam learning rate" + keeps % "1e-3"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=default(32), help="new-data batch" + keeps % 32
+    )
+    p.add_argument(
+        "--memory-batch-size", type=int, default=default(32), help="memory batch" + keeps % 32
+    )
+    p.add_argument(
+        "--device", default=default("auto"), help="auto (CUDA if available), cpu, cuda:0"
+    )
     p.add_argument(
         "--precision",
         choices=_PRECISIONS,
-        default="32",
-        help="floating-point precision of training (default 32)",
+        default=default("32"),
+        help="floating-point precision of training" + keeps % "32",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _config_file_options(p: argparse.ArgumentParser) -> None:
+    """The options of an update from a Python config file of functions."""
+    p.add_argument(
+        "--config-file",
+        help="Python file defining model_fn, data_fn and optionally loss_fn, optimizer_fn, ... "
+        "(see the docs' 'Bring your own model and data')",
+    )
+    p.add_argument(
+        "--metric",
+        help="validation metric whose best epoch's weights the state keeps (val_loss, "
+        "val_accuracy, val_<metrics_fn name>)",
+    )
+    p.add_argument("--mode", choices=("min", "max"), default=None, help="min (default) or max")
+    p.add_argument(
+        "--early-stopping",
+        type=int,
+        default=None,
+        metavar="PATIENCE",
+        help="stop an update after PATIENCE validations without improvement of --metric",
+    )
+    p.add_argument(
+        "--no-validation-memory",
+        action="store_true",
+        help="validate on this update's validation data only (default: also on earlier ones')",
+    )
+
+
+def _hyperparameter_names() -> dict[str, str]:
+    """Every learner hyperparameter without an option of its own, with its kind."""
+    names: dict[str, str] = {}
+    for learner in sorted(LEARNERS):
+        for name, entry in hyperparameters(learner).items():
+            if name not in _DEDICATED:
+                names.setdefault(name, entry.kind)
+    return names
+
+
+def _hyperparameter_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "learner hyperparameters",
+        "each learner's own (see the list below); a value is parsed as in TOML: 0.5, true, "
+        '["layer1"]; a TOML --config file may set them too',
+    )
+    for name, kind in _hyperparameter_names().items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=kind.split(" ")[0].split("[")[0].upper(),
+        )
+
+
+def _hyperparameter_epilog() -> str:
+    lines = ["learner hyperparameters (defaults):"]
+    for learner in sorted(LEARNERS):
+        schema = hyperparameters(learner)
+        shown = [
+            f"--{name.replace('_', '-')} {json.dumps(entry.default)}"
+            for name, entry in schema.items()
+            if name not in _DEDICATED
+        ]
+        lines.append(f"  {learner}: " + " ".join(shown))
+    return "\n".join(lines)
 
 
 def _run_parser(sub: Any) -> argparse.ArgumentParser:
@@ -104,7 +195,9 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
         help="run a whole scenario, evaluating after each update",
         description="Run a scenario: one update per task, evaluation on every task after each.",
         epilog="examples:\n  renate-events run\n  renate-events run --learner er --seeds 0 1 2\n"
-        "  renate-events run --config experiment.toml --epochs 5",
+        "  renate-events run --config experiment.toml --epochs 5\n"
+        "  renate-events run --config-file my_config.py --chunks 5 --learner der --alpha 0.3\n\n"
+        + _hyperparameter_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--config", help="TOML file with any of these options (flags override it)")
@@ -112,6 +205,12 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
         "--scenario",
         default="split-digits",
         help="split-digits (default), permuted-digits or rotated-digits",
+    )
+    run.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="with --config-file: the number of updates (data_fn's chunks 0..N-1)",
     )
     run.add_argument("--seeds", type=int, nargs="+", default=[0], help="one or several seeds")
     run.add_argument(
@@ -122,22 +221,30 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
         help="hidden layer sizes of the MLP (default 256)",
     )
     run.add_argument("--output-dir", default="runs/latest", help="where results are written")
-    _training_options(run)
+    _training_options(run, later=False)
+    _config_file_options(run)
+    _hyperparameter_options(run)
     return run
 
 
 def _update_parser(sub: Any) -> argparse.ArgumentParser:
     update = sub.add_parser(
         "update",
-        help="one model update from a state folder and a data file",
-        description="Load --input-state, train on --data, write --output-state.",
-        epilog="example:\n  renate-events update --input-state runs/latest/state/seed-0 "
-        "--data new.npz --output-state next-state",
+        help="one model update from a state folder and new data",
+        description="Load --input-state (none: the first update, from the config file's "
+        "model_fn), train on --data or the config file's chunk --chunk-id, write "
+        "--output-state.",
+        epilog="examples:\n  renate-events update --input-state runs/latest/state/seed-0 "
+        "--data new.npz --output-state next-state\n"
+        "  renate-events update --config-file my_config.py --chunk-id 0 --output-state s0\n"
+        "  renate-events update --config-file my_config.py --input-state s0 --chunk-id 1 "
+        "--output-state s1\n\n" + _hyperparameter_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    update.add_argument("--input-state", required=True, help="a state folder written by run/update")
+    update.add_argument("--config", help="TOML file with any of these options (flags override it)")
+    update.add_argument("--input-state", help="a state folder written by run/update")
     update.add_argument(
-        "--data", required=True, help=".safetensors or .npz file with 'inputs' and 'targets'"
+        "--data", help=".safetensors or .npz file with 'inputs' and 'targets' (no --config-file)"
     )
     update.add_argument(
         "--output-state",
@@ -145,35 +252,58 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
         help="the state folder to write: new, empty, or a state folder (never anything else)",
     )
     update.add_argument(
+        "--chunk-id",
+        type=int,
+        default=None,
+        help="with --config-file: the chunk data_fn gives (default: the input state's number of "
+        "updates, so 0 for a first update)",
+    )
+    update.add_argument("--seed", type=int, default=0, help="seed given to data_fn (default 0)")
+    update.add_argument(
         "--in-place", action="store_true", help="allow --output-state to be --input-state"
     )
+    update.add_argument(
+        "--accept-config-change",
+        action="store_true",
+        help="continue a state folder written with another version of the config file",
+    )
     update.add_argument("--task-id", default=None, help="a name for this update")
-    update.add_argument("--epochs", type=int, default=None, help="override the folder's epochs")
-    update.add_argument("--device", default=None, help="override the folder's device")
     update.add_argument(
         "--lock-timeout",
         type=float,
         default=60.0,
         help="seconds to wait for another update of the same folder (default 60)",
     )
-    update.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _training_options(update, later=True)
+    _config_file_options(update)
+    _hyperparameter_options(update)
     return update
 
 
 def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     evaluate = sub.add_parser(
         "evaluate",
-        help="evaluate a state folder on a data file or a scenario",
-        description="Print the accuracy of a state folder's model.",
+        help="evaluate a state folder on a data file, a scenario or a config file's test data",
+        description="Print the accuracy (and the config file's metrics) of a state folder's model.",
         epilog="examples:\n  renate-events evaluate --state next-state --data test.npz\n"
-        "  renate-events evaluate --state next-state --scenario split-digits",
+        "  renate-events evaluate --state next-state --scenario split-digits\n"
+        "  renate-events evaluate --state s1 --config-file my_config.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     evaluate.add_argument("--state", required=True, help="a state folder")
     group = evaluate.add_mutually_exclusive_group(required=True)
     group.add_argument("--data", help=".safetensors or .npz file with 'inputs' and 'targets'")
     group.add_argument("--scenario", help="evaluate on every task's test set of this scenario")
-    evaluate.add_argument("--seed", type=int, default=0, help="seed of the scenario's split")
+    group.add_argument("--config-file", help="evaluate on test_data_fn's chunks (see --chunk-ids)")
+    evaluate.add_argument(
+        "--chunk-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --config-file: the chunks to evaluate on (default: those the state was "
+        "trained on, 0..updates-1)",
+    )
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of the split / of data_fn")
     return evaluate
 
 
@@ -205,9 +335,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[str, dict[str, Any], frozenset[s
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     from_file: set[str] = set()
-    if command == "run" and args["config"] is not None:
+    if args.get("config") is not None:
         given = _given_on_the_command_line(argv, command)
-        values = _read_config(args["config"], set(args))
+        known = set(args) | set(_hyperparameter_names())
+        values = _read_config(args["config"], known, command)
         from_file = set(values) - given
         args.update({name: values[name] for name in from_file})
     return command, args, frozenset(from_file)
@@ -220,7 +351,7 @@ def _given_on_the_command_line(argv: Sequence[str] | None, command: str) -> set[
     return set(vars(parser.parse_args(argv))) - {"command"}
 
 
-def _read_config(path: str, options: set[str]) -> dict[str, Any]:
+def _read_config(path: str, options: set[str], command: str) -> dict[str, Any]:
     """The options of a ``--config`` TOML file, under their argparse names (not yet checked)."""
     config = _read_toml(path)
     allowed = options - {"config"}
@@ -229,7 +360,8 @@ def _read_config(path: str, options: set[str]) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in allowed:
             raise UsageError(
-                f"{path}: unknown options [{key!r}]; see renate-events run -h for the options"
+                f"{path}: unknown options [{key!r}]; see renate-events {command} -h for the "
+                "options and the learners' hyperparameters"
             )
         if name in values:
             raise UsageError(f"{path}: the option {name.replace('_', '-')} is given twice")
@@ -311,6 +443,7 @@ def _text(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 
 
 _optional = attrs.validators.optional
+_FINITE_POSITIVE = checks.real_in_range(0.0, low_open=True)
 
 
 @attrs.frozen
@@ -319,6 +452,7 @@ class _RunOptions:
 
     config: str | None = attrs.field(validator=_optional(_text))
     scenario: str = attrs.field(validator=checks.one_of(*sorted(SCENARIOS)))
+    chunks: int | None = attrs.field(validator=checks.int_at_least(1, 10**6, optional=True))
     seeds: list[int] = attrs.field(
         validator=_list_of_ints(0, _MAX_SEED, empty=False, distinct=True)
     )
@@ -328,27 +462,48 @@ class _RunOptions:
     buffer: str = attrs.field(validator=checks.one_of(*BUFFERS))
     memory_size: int = attrs.field(validator=checks.int_at_least(0))
     epochs: int = attrs.field(validator=checks.int_at_least(1))
-    lr: float = attrs.field(validator=checks.real_in_range(0.0, low_open=True))
+    lr: float = attrs.field(validator=_FINITE_POSITIVE)
     batch_size: int = attrs.field(validator=checks.int_at_least(1))
     memory_batch_size: int = attrs.field(validator=checks.int_at_least(1))
     device: str = attrs.field(validator=_device)
     precision: str = attrs.field(validator=checks.one_of(*_PRECISIONS))
     no_progress: bool = attrs.field(validator=checks.boolean)
+    config_file: str | None = attrs.field(validator=_optional(_text))
+    metric: str | None = attrs.field(validator=_optional(_text))
+    mode: str | None = attrs.field(validator=_optional(checks.one_of("min", "max")))
+    early_stopping: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
+    no_validation_memory: bool = attrs.field(validator=checks.boolean)
 
 
 @attrs.frozen
 class _UpdateOptions:
-    """The options of ``renate-events update``."""
+    """The options of ``renate-events update``; the training options are None where left out."""
 
-    input_state: str = attrs.field(validator=_text)
-    data: str = attrs.field(validator=_text)
+    config: str | None = attrs.field(validator=_optional(_text))
+    input_state: str | None = attrs.field(validator=_optional(_text))
+    data: str | None = attrs.field(validator=_optional(_text))
     output_state: str = attrs.field(validator=_text)
+    chunk_id: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
+    seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
     in_place: bool = attrs.field(validator=checks.boolean)
+    accept_config_change: bool = attrs.field(validator=checks.boolean)
     task_id: str | None = attrs.field(validator=_optional(_text))
-    epochs: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
-    device: str | None = attrs.field(validator=_optional(_device))
     lock_timeout: float = attrs.field(validator=checks.real_in_range(0.0))
+    learner: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(LEARNERS))))
+    buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
+    memory_size: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
+    epochs: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
+    lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
+    batch_size: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
+    memory_batch_size: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
+    device: str | None = attrs.field(validator=_optional(_device))
+    precision: str | None = attrs.field(validator=_optional(checks.one_of(*_PRECISIONS)))
     no_progress: bool = attrs.field(validator=checks.boolean)
+    config_file: str | None = attrs.field(validator=_optional(_text))
+    metric: str | None = attrs.field(validator=_optional(_text))
+    mode: str | None = attrs.field(validator=_optional(checks.one_of("min", "max")))
+    early_stopping: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
+    no_validation_memory: bool = attrs.field(validator=checks.boolean)
 
 
 @attrs.frozen
@@ -358,6 +513,10 @@ class _EvaluateOptions:
     state: str = attrs.field(validator=_text)
     data: str | None = attrs.field(validator=_optional(_text))
     scenario: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(SCENARIOS))))
+    config_file: str | None = attrs.field(validator=_optional(_text))
+    chunk_ids: list[int] | None = attrs.field(
+        validator=_optional(_list_of_ints(0, None, empty=False, distinct=True))
+    )
     seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
 
 
@@ -365,8 +524,9 @@ def _options(
     schema: type, values: Mapping[str, Any], from_file: frozenset[str] = frozenset()
 ) -> Any:
     """Check ``values`` against ``schema``; a failure names the option as the user wrote it."""
+    names = {field.name for field in attrs.fields(schema)}
     try:
-        return schema(**values)
+        return schema(**{name: value for name, value in values.items() if name in names})
     except ValueError as exc:  # the shared checks' contract (WrongTypeError is one too)
         message = str(exc)
         for field in attrs.fields(schema):
@@ -389,6 +549,52 @@ def _flag_message(flag: str, rest: str, exc: ValueError) -> str:
     if not isinstance(exc, checks.WrongTypeError):
         rest = rest.replace("must be an int >= ", "must be >= ", 1)
     return f"{flag} {rest}"
+
+
+# -- learner hyperparameters --------------------------------------------------------------------
+
+
+def _parse_value(text: Any) -> Any:
+    """A flag's text as a TOML value (``0.5``, ``true``, ``["a"]``); other text stays a string."""
+    if not isinstance(text, str):
+        return text  # from a TOML file: typed already
+    import tomllib
+
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _hyperparameter_values(
+    values: dict[str, Any], learner: str, from_file: frozenset[str], config: str | None
+) -> dict[str, Any]:
+    """Take the learner hyperparameters out of ``values``, each checked against ``learner``."""
+    chosen: dict[str, Any] = {}
+    for name in _hyperparameter_names():
+        if name not in values:
+            continue
+        raw = values.pop(name)
+        where = f" (in {config})" if name in from_file else ""
+        value = raw if name in from_file else _parse_value(raw)
+        try:
+            chosen[name] = check_value(learner, name, value)
+        except HyperparameterError as exc:
+            flag = "--" + name.replace("_", "-")
+            message = str(exc).replace(f"{name} must be", f"{flag} must be", 1)
+            if message.startswith("the learner"):
+                message = f"{flag}: {message}"
+            raise UsageError(message + where) from None
+    return chosen
+
+
+def _learner_message(exc: ValueError) -> str:
+    """A learner's check (``DarkExperienceReplayLearner.alpha must be ...``) in flag words."""
+    message = _one_line(exc)
+    match = re.match(r"\w+Learner\.(\w+) (.*)", message)
+    if match:
+        return f"--{match.group(1).replace('_', '-')} {match.group(2)}"
+    return message
 
 
 # -- shared pieces ------------------------------------------------------------------------------
@@ -588,27 +794,34 @@ def _model_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def _updater_from_folder(folder: str, lock_timeout: float = 60.0, **overrides: Any) -> Any:
+def _updater_from_folder(
+    folder: str,
+    lock_timeout: float = 60.0,
+    overrides: Mapping[str, Any] | None = None,
+    hyper: Mapping[str, Any] | None = None,
+) -> Any:
     """A :class:`ModelUpdater` with the folder's MLP, loaded; everything checked first."""
     manifest = read_manifest(folder, timeout=lock_timeout)
-    spec = _model_spec(folder, manifest)
-    trainer_kwargs = dict(manifest["trainer"])
-    trainer_kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    if "device" in trainer_kwargs and overrides.get("device") is None:
-        _check_device(
-            f"{folder}: the trainer device (override it with --device)", trainer_kwargs["device"]
+    if manifest.get("config") is not None:
+        raise UsageError(
+            f"{folder} was written from the config file {manifest['config']['file']}; pass it "
+            "as --config-file"
         )
+    spec = _model_spec(folder, manifest)
+    overrides = overrides or {}
+    learner, buffer, learner_kwargs = _learner_settings(overrides, hyper or {}, manifest)
     try:
         updater = ModelUpdater(
             _mlp(spec["inputs"], spec["hidden"], spec["classes"]),
-            learner=manifest["learner"],
-            learner_kwargs=manifest["learner_kwargs"],
-            optimizer=manifest["optimizer"],
-            buffer=manifest["buffer"],
-            trainer_kwargs=trainer_kwargs,
+            learner=learner,
+            learner_kwargs=learner_kwargs,
+            buffer=buffer,
+            trainer_kwargs=_trainer_setting(overrides, manifest, folder),
             metadata=manifest["metadata"],
             input_state_folder=folder,
             lock_timeout=lock_timeout,
+            validation_memory=manifest.get("validation_memory", False),
+            **_optimizer_setting(overrides, manifest, None),
         )
         updater.learner_instance  # noqa: B018 - builds and loads, so that errors come now
     except StateFolderError:
@@ -616,6 +829,221 @@ def _updater_from_folder(folder: str, lock_timeout: float = 60.0, **overrides: A
     except ValueError as exc:  # the learner's or the trainer's checks of the folder's values
         raise StateFolderError(f"{folder}: its manifest is refused: {exc}") from None
     return updater, spec
+
+
+# -- config files: the settings of an update ------------------------------------------------------
+
+_TRAINING = ("learner", "buffer", "memory_size", "epochs", "lr", "batch_size", "memory_batch_size")
+_FIRST_UPDATE = {"memory_size": 200, "batch_size": 32, "memory_batch_size": 32}
+_NO_MEMORY = ("fine-tuning", "joint")  # learners without a replay buffer's memory_size
+_DISTILLING = ("pod-er", "super-er")  # learners that need feature_modules
+
+
+def _load_config_file(path: str) -> ConfigFile:
+    return load_config(path)  # a ConfigError is one line, exit 2
+
+
+def _learner_settings(
+    overrides: Mapping[str, Any], hyper: Mapping[str, Any], manifest: Mapping[str, Any] | None
+) -> tuple[str, str, dict[str, Any]]:
+    """The learner's name, the buffer and ``learner_kwargs``: the input state's (or the first
+    update's defaults), then the options given."""
+    if manifest is not None:
+        learner = overrides.get("learner") or manifest["learner"]
+        buffer = overrides.get("buffer") or manifest["buffer"]
+        kwargs = dict(manifest["learner_kwargs"])
+    else:
+        learner = overrides.get("learner") or "der"
+        buffer = overrides.get("buffer") or "reservoir"
+        kwargs = {**_FIRST_UPDATE, "seed": overrides.get("seed", 0)}
+        if learner in _NO_MEMORY:
+            kwargs.pop("memory_size")
+    for name in _FIRST_UPDATE:
+        if overrides.get(name) is not None:
+            kwargs[name] = overrides[name]
+    kwargs.update(hyper)
+    return learner, buffer, kwargs
+
+
+def _feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module) -> None:
+    """Distilling learners on a zoo model distil its feature modules unless told otherwise."""
+    if learner not in _DISTILLING or "feature_modules" in kwargs:
+        return
+    names = getattr(model, "feature_module_names", None)
+    if not names:
+        raise UsageError(
+            f"--learner {learner} distils intermediate features: give --feature-modules "
+            '["name", ...] with names of the model\'s submodules'
+        )
+    kwargs["feature_modules"] = list(names)
+
+
+def _optimizer_setting(
+    overrides: Mapping[str, Any], manifest: Mapping[str, Any] | None, config: ConfigFile | None
+) -> dict[str, Any]:
+    """``{"optimizer": ...}`` for :class:`ModelUpdater`, or nothing when ``optimizer_fn`` makes
+    it."""
+    lr = overrides.get("lr")
+    if config is not None and config.has("optimizer_fn"):
+        if lr is not None:
+            raise UsageError(
+                f"--lr: {config.path} defines optimizer_fn, which sets the learning rate; "
+                "change it there or leave --lr out"
+            )
+        return {}
+    saved = None if manifest is None else manifest["optimizer"]
+    if saved is not None and "function" in saved:
+        raise UsageError(
+            f"the state folder's optimizer came from a config file's optimizer_fn "
+            f"({saved['function']}); pass that --config-file"
+        )
+    optimizer = dict(saved) if saved is not None else {"name": "adam", "lr": 1e-3}
+    if lr is not None:
+        optimizer["lr"] = lr
+    return {"optimizer": optimizer}
+
+
+def _trainer_setting(
+    overrides: Mapping[str, Any], manifest: Mapping[str, Any] | None, folder: str | None
+) -> dict[str, Any]:
+    if manifest is not None:
+        trainer_kwargs = dict(manifest["trainer"])
+    else:
+        trainer_kwargs = {"max_epochs": 10, "device": "auto", "precision": "32"}
+    for option, name in (
+        ("epochs", "max_epochs"),
+        ("device", "device"),
+        ("precision", "precision"),
+    ):
+        if overrides.get(option) is not None:
+            trainer_kwargs[name] = overrides[option]
+    if overrides.get("distributed"):
+        trainer_kwargs["distributed"] = "init"
+    if "device" in trainer_kwargs and overrides.get("device") is None and folder is not None:
+        _check_device(
+            f"{folder}: the trainer device (override it with --device)", trainer_kwargs["device"]
+        )
+    return trainer_kwargs
+
+
+def _selection_settings(options: Any) -> dict[str, Any]:
+    """Best-model selection, early stopping and the validation memory from the options."""
+    metric = options.metric
+    mode = options.mode
+    if mode is None:  # an accuracy is better when higher; anything else (a loss) when lower
+        mode = "max" if metric is not None and metric.endswith("accuracy") else "min"
+    if options.early_stopping is not None and metric is None:
+        raise UsageError("--early-stopping watches --metric: give --metric val_loss (or another)")
+    return {
+        "metric": metric,
+        "mode": mode,
+        "early_stopping_enabled": options.early_stopping is not None,
+        "early_stopping_patience": options.early_stopping or 3,
+        "validation_memory": not options.no_validation_memory,
+    }
+
+
+def _config_updater(
+    config: ConfigFile,
+    overrides: Mapping[str, Any],
+    hyper: Mapping[str, Any],
+    manifest: Mapping[str, Any] | None,
+    **kwargs: Any,
+) -> ModelUpdater:
+    """A :class:`ModelUpdater` from a config file and the options, built and loaded (so that
+    every check runs before training)."""
+    model = config.model()
+    learner, buffer, learner_kwargs = _learner_settings(overrides, hyper, manifest)
+    if manifest is None:
+        _feature_modules(learner, learner_kwargs, model)
+    folder = kwargs.get("input_state_folder")
+    try:
+        updater = ModelUpdater.from_config(
+            config,
+            model=model,
+            learner=learner,
+            learner_kwargs=learner_kwargs,
+            buffer=buffer,
+            trainer_kwargs=_trainer_setting(overrides, manifest, folder),
+            metadata={} if manifest is None else manifest["metadata"],
+            **_optimizer_setting(overrides, manifest, config),
+            **kwargs,
+        )
+        updater.learner_instance  # noqa: B018 - builds and loads, so that errors come now
+    except (StateFolderError, UpdateInputError, ConfigError):
+        raise
+    except ValueError as exc:  # the learner's or the trainer's checks of the settings
+        raise UsageError(_learner_message(exc)) from None
+    return updater
+
+
+@attrs.frozen
+class _ChunkTask:
+    """A config file's chunk as :func:`renate_events.evaluation.evaluate` takes a task."""
+
+    task_id: int
+    train: Any
+    val: Any
+    test: torch.utils.data.TensorDataset
+    classes: tuple[int, ...]
+
+
+def _test_tensors(config: ConfigFile, chunk_id: int, seed: int, val: Any) -> Any:
+    """The test data of a chunk as tensors: ``test_data_fn``'s, else the validation data."""
+    test = config.test_data(chunk_id, seed)
+    if test is None:
+        test = val
+    if test is None:
+        raise UsageError(
+            f"{config.path} defines no test_data_fn and data_fn gives no validation data for "
+            f"chunk {chunk_id}: the command has nothing to evaluate on"
+        )
+    inputs, targets = dataset_tensors(test, config.collate(), f"the test data of chunk {chunk_id}")
+    return torch.utils.data.TensorDataset(inputs, targets)
+
+
+class _Transformed(torch.nn.Module):
+    """``model(transform(x))``: the config file's test transform in evaluation."""
+
+    def __init__(self, model: torch.nn.Module, transform: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.transform = transform
+
+    def forward(self, inputs: Any) -> Any:
+        return self.model(self.transform(inputs))
+
+
+def _for_evaluation(model: torch.nn.Module, config: ConfigFile | None) -> torch.nn.Module:
+    transform = None if config is None else config.transform("test_transform")
+    return model if transform is None else _Transformed(model, transform)
+
+
+def _metric_means(
+    model: torch.nn.Module, data: torch.utils.data.TensorDataset, metrics: Mapping[str, Any]
+) -> dict[str, float]:
+    """The mean of each ``metrics_fn`` metric over ``data`` (one synchronisation per metric)."""
+    if not metrics:
+        return {}
+    from renate_events.learners import forward
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs, targets = data.tensors
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics}
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(targets), 256):
+                batch = targets[start : start + 256].to(device)
+                outputs = forward(model, inputs[start : start + 256].to(device))
+                for name, metric in metrics.items():
+                    value = torch.as_tensor(metric(outputs, batch), device=device)
+                    sums[name] += value.double().mean() * len(batch)
+    finally:
+        for module, training in modes:
+            module.train(training)
+    return {name: float(total) / len(targets) for name, total in sums.items()}
 
 
 # -- run ------------------------------------------------------------------------------------------
@@ -629,11 +1057,14 @@ class _Seed:
     tasks: list[Any]
     updater: ModelUpdater
     rng_state: torch.Tensor
+    evaluated: torch.nn.Module  # the model, with the config file's test transform if any
 
 
 def _run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     options = _options(_RunOptions, values, from_file)
-    if options.learner in ("pod-er", "super-er") and not options.hidden:
+    hyper = _hyperparameter_values(values, options.learner, from_file, options.config)
+    config = _run_config_file(options)
+    if config is None and options.learner in _DISTILLING and not options.hidden:
         raise UsageError(f"--learner {options.learner} distils hidden layers: give --hidden sizes")
     # Under `torchrun --nproc_per_node=N`: data-parallel training over N processes; rank zero
     # prints and writes the results. State folders are not written (their staging folders are
@@ -641,7 +1072,12 @@ def _run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank_zero = int(os.environ.get("RANK", "0")) == 0
     tokens = None if distributed else _check_output_dir(options)
-    seeds = [_prepare_seed(options, seed, distributed) for seed in options.seeds]
+    seeds = [
+        _prepare_seed(options, seed, distributed, hyper)
+        if config is None
+        else _prepare_config_seed(options, config, seed, distributed, hyper)
+        for seed in options.seeds
+    ]
     started = time.perf_counter()
     runs = [_train_seed(options, plan) for plan in seeds]
     elapsed = time.perf_counter() - started
@@ -653,7 +1089,49 @@ def _run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     return 0
 
 
-def _prepare_seed(options: _RunOptions, seed: int, distributed: bool) -> _Seed:
+def _run_config_file(options: _RunOptions) -> ConfigFile | None:
+    """The ``--config-file`` of a run, with the options that only it allows checked."""
+    if options.config_file is None:
+        for flag, value in (
+            ("--chunks", options.chunks),
+            ("--metric", options.metric),
+            ("--early-stopping", options.early_stopping),
+        ):
+            if value is not None:
+                raise UsageError(f"{flag} needs --config-file")
+        return None
+    if options.chunks is None:
+        raise UsageError(
+            "--config-file needs --chunks N: the number of updates, on data_fn's chunks 0..N-1"
+        )
+    return _load_config_file(options.config_file)
+
+
+def _prepare_config_seed(
+    options: _RunOptions,
+    config: ConfigFile,
+    seed: int,
+    distributed: bool,
+    hyper: Mapping[str, Any],
+) -> _Seed:
+    """One seed of a run over a config file's chunks: all data read and checked first."""
+    torch.manual_seed(seed)
+    tasks = []
+    for chunk in range(options.chunks or 0):
+        train, val = config.data(chunk, seed)
+        test = _test_tensors(config, chunk, seed, val)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(_ChunkTask(chunk, train, val, test, classes))
+    overrides = {**_overrides(options), "seed": seed, "distributed": distributed}
+    updater = _config_updater(config, overrides, hyper, None, **_selection_settings(options))
+    return _Seed(
+        seed, tasks, updater, torch.get_rng_state(), _for_evaluation(updater.model, config)
+    )
+
+
+def _prepare_seed(
+    options: _RunOptions, seed: int, distributed: bool, hyper: Mapping[str, Any]
+) -> _Seed:
     try:
         tasks = list(SCENARIOS[options.scenario](seed=seed).tasks())
     except ImportError as exc:
@@ -674,10 +1152,11 @@ def _prepare_seed(options: _RunOptions, seed: int, distributed: bool) -> _Seed:
         "batch_size": options.batch_size,
         "seed": seed,
     }
-    if options.learner in ("fine-tuning", "joint"):
+    if options.learner in _NO_MEMORY:
         learner_kwargs.pop("memory_size")
-    if options.learner in ("pod-er", "super-er"):  # distil the outputs of the hidden layers
+    if options.learner in _DISTILLING:  # distil the outputs of the hidden layers
         learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(options.hidden))]
+    learner_kwargs.update(hyper)
     try:
         updater = ModelUpdater(
             model,
@@ -703,21 +1182,21 @@ def _prepare_seed(options: _RunOptions, seed: int, distributed: bool) -> _Seed:
         )
         updater.learner_instance  # noqa: B018 - the learner's own checks, before training
     except ValueError as exc:  # the learner's checks of a combination of options
-        raise UsageError(_one_line(exc)) from None
-    return _Seed(seed, tasks, updater, torch.get_rng_state())
+        raise UsageError(_learner_message(exc)) from None
+    return _Seed(seed, tasks, updater, torch.get_rng_state(), model)
 
 
 def _train_seed(options: _RunOptions, plan: _Seed) -> dict[str, Any]:
     from renate_events import evaluation
 
     torch.set_rng_state(plan.rng_state)  # as if this seed's model had just been built
-    model, tasks = plan.updater.model, plan.tasks
+    model, tasks = plan.evaluated, plan.tasks
     class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
     class_matrix.baseline = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task in tasks:
         description = f"seed {plan.seed} task {task.task_id}"
         _progress(plan.updater.learner_instance, description, not options.no_progress)
-        plan.updater.update(task.train, task_id=task.task_id)
+        plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
         class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
         task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
     return _metrics(plan.seed, class_matrix, task_matrix, tasks)
@@ -742,6 +1221,12 @@ def _metrics(seed: int, class_matrix: Any, task_matrix: Any, tasks: Sequence[Any
     }
 
 
+def _title(options: _RunOptions) -> str:
+    if options.config_file is not None:
+        return f"{os.path.basename(options.config_file)} ({options.chunks} chunks)"
+    return options.scenario
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     if len(values) < 2:
@@ -753,7 +1238,7 @@ def _table(options: _RunOptions, runs: Sequence[dict], elapsed: float) -> str:
     matrices = [run["class_incremental"]["rows"] for run in runs]
     size = len(matrices[0])
     lines = [
-        f"{options.learner} on {options.scenario}, {len(runs)} seed(s), {elapsed:.1f} s",
+        f"{options.learner} on {_title(options)}, {len(runs)} seed(s), {elapsed:.1f} s",
         "accuracy matrix (class-incremental; row i: after update i, column j: task j; "
         "mean over seeds)",
         "          " + " ".join(f"{'task ' + str(j):>8s}" for j in range(size)),
@@ -838,7 +1323,7 @@ def _heatmap(options: _RunOptions, runs: Sequence[dict]) -> bytes | None:
             )
     axes.set_xlabel("evaluated on task")
     axes.set_ylabel("after update")
-    axes.set_title(f"{options.learner} on {options.scenario}")
+    axes.set_title(f"{options.learner} on {_title(options)}")
     figure.colorbar(image, ax=axes)
     figure.tight_layout()
     buffer = io.BytesIO()
@@ -951,10 +1436,23 @@ def _replace_in_folder(
 
 
 def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
-    options = _options(_UpdateOptions, values)
+    options = _options(_UpdateOptions, values, from_file)
+    if options.config_file is not None:
+        return _update_from_config(options, values, from_file)
+    if options.data is None or options.input_state is None:
+        raise UsageError(
+            "update needs --input-state and --data, or --config-file (its data_fn gives the "
+            "data; see renate-events update -h)"
+        )
+    for name in ("chunk_id", "metric", "early_stopping"):
+        if getattr(options, name) is not None:
+            raise UsageError(f"--{name.replace('_', '-')} needs --config-file")
     data = _load_data_file(options.data)
+    manifest = read_manifest(options.input_state, timeout=options.lock_timeout)
+    learner = options.learner or manifest["learner"]
+    hyper = _hyperparameter_values(values, learner, from_file, options.config)
     updater, spec = _updater_from_folder(
-        options.input_state, options.lock_timeout, max_epochs=options.epochs, device=options.device
+        options.input_state, options.lock_timeout, _overrides(options), hyper
     )
     _check_fits(f"--data {options.data}", data, spec)
     updater.output_state_folder = options.output_state
@@ -966,11 +1464,64 @@ def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     return 0
 
 
+def _overrides(options: Any) -> dict[str, Any]:
+    """The training options given (None: keep the input state's value)."""
+    names = (*_TRAINING, "device", "precision")
+    return {name: getattr(options, name, None) for name in names}
+
+
+def _update_from_config(
+    options: _UpdateOptions, values: dict[str, Any], from_file: frozenset[str]
+) -> int:
+    if options.data is not None:
+        raise UsageError(
+            "--data and --config-file: choose one; with a config file, data_fn gives the data "
+            "of --chunk-id"
+        )
+    config = _load_config_file(options.config_file)  # type: ignore[arg-type]
+    manifest = None
+    if options.input_state is not None:
+        manifest = read_manifest(options.input_state, timeout=options.lock_timeout)
+        if not options.accept_config_change:
+            check_config_file(options.input_state, manifest.get("config"), config)
+    learner = options.learner or (manifest["learner"] if manifest else "der")
+    hyper = _hyperparameter_values(values, learner, from_file, options.config)
+    chunk = options.chunk_id if options.chunk_id is not None else (manifest or {}).get("updates", 0)
+    train, val = config.data(chunk, options.seed)
+    overrides = {**_overrides(options), "seed": options.seed}
+    updater = _config_updater(
+        config,
+        overrides,
+        hyper,
+        manifest,
+        input_state_folder=options.input_state,
+        output_state_folder=options.output_state,
+        in_place=options.in_place,
+        lock_timeout=options.lock_timeout,
+        accept_config_change=options.accept_config_change,
+        **_selection_settings(options),
+    )
+    _progress(updater.learner_instance, f"chunk {chunk}", not options.no_progress)
+    task_id = options.task_id if options.task_id is not None else chunk
+    result = updater.update(train, val, task_id=task_id)
+    shown = "; ".join(
+        f"{name} {value:.4f}" for name, value in sorted(result.metrics.items()) if name != "epoch"
+    )
+    print(
+        f"trained {result.steps} steps on chunk {chunk}; {shown}; state in {options.output_state}"
+    )
+    return 0
+
+
 def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     from renate_events import evaluation
     from renate_events.scenarios import Task
 
     options = _options(_EvaluateOptions, values)
+    if options.config_file is not None:
+        return _evaluate_from_config(options)
+    if options.chunk_ids is not None:
+        raise UsageError("--chunk-ids needs --config-file")
     if options.data is not None:
         data = _load_data_file(options.data)
     updater, spec = _updater_from_folder(options.state)
@@ -992,13 +1543,51 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     return 0
 
 
+def _evaluate_from_config(options: _EvaluateOptions) -> int:
+    from renate_events import evaluation
+
+    config = _load_config_file(options.config_file)  # type: ignore[arg-type]
+    manifest = read_manifest(options.state)
+    updater = _config_updater(
+        config,
+        {},
+        {},
+        manifest,
+        input_state_folder=options.state,
+        validation_memory=manifest.get("validation_memory", False),
+    )
+    model = _for_evaluation(updater.learner_instance.model, config)
+    chunks = options.chunk_ids or list(range(manifest["updates"]))
+    tasks = []
+    for chunk in chunks:
+        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
+        test = _test_tensors(config, chunk, options.seed, val)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(_ChunkTask(chunk, None, None, test, classes))
+    accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
+    metrics = config.metrics()
+    for task, accuracy in zip(tasks, accuracies):
+        extra = _metric_means(model, task.test, metrics)
+        shown = "".join(f"; {name} {value:.4f}" for name, value in extra.items())
+        print(f"chunk {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
+    print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = {
     "run": _run,
     "update": _update,
     "evaluate": _evaluate,
 }
 
-_EXPECTED = (UsageError, StateFolderError, CheckpointError, NonFiniteLossError)
+_EXPECTED = (
+    UsageError,
+    StateFolderError,
+    CheckpointError,
+    NonFiniteLossError,
+    ConfigError,
+    UpdateInputError,
+)
 """What a bad argument, file, state folder or full disk raises: one line, exit status 2. Anything
 else is a bug and keeps its traceback."""
 

@@ -143,7 +143,8 @@ def _metric_functions(instance: Any, attribute: attrs.Attribute[Any], value: Any
     for key, function in value.items():
         if not (isinstance(key, str) and validators.NAME_PATTERN.fullmatch(key)):
             raise validators.WrongTypeError(
-                f"{name} keys must be names of letters, digits and _ (reported as val_<name>), got {key!r}"
+                f"{name} keys must be names of letters, digits and _ (reported as "
+                f"val_<name>), got {key!r}"
             )
         if key in ("loss", "accuracy"):
             raise ValueError(f"{name}: {key!r} is reported already; choose another name")

@@ -106,6 +106,8 @@ __all__ = [
     "StateFolderConflictError",
     "StateFolderError",
     "UpdateInputError",
+    "check_config_file",
+    "dataset_tensors",
     "read_manifest",
     "state_token",
 ]
@@ -175,7 +177,16 @@ TRANSFORMS = (
 """The transform arguments of :class:`ModelUpdater` (Renate's names), passed to the learner."""
 _CALLABLES = ("loss_fn", "learning_rate_scheduler", "collate_fn", *TRANSFORMS)
 _SET_BY_THE_UPDATER = frozenset(
-    ("model", "optimizer", "trainer", "buffer", "metrics", "components", *_CALLABLES)
+    (
+        "model",
+        "optimizer",
+        "trainer",
+        "buffer",
+        "metrics",
+        "components",
+        "learning_rate_scheduler_interval",
+        *_CALLABLES,
+    )
 )
 _STRUCTURAL = ("memory_size", "feature_modules")  # learner_kwargs that shape the stored state
 _VALIDATION_MEMORY = "validation_memory"  # the listener's name in the learner's checkpoint
@@ -371,8 +382,9 @@ class _ValidationMemory:
         return inputs, targets
 
 
-def _tensors_of(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[torch.Tensor, ...]:
-    """All of ``data`` as ``(inputs, targets)`` tensors, read batch by batch."""
+def dataset_tensors(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """All of ``data`` as ``(inputs, targets)`` tensors, read batch by batch (``what`` names it
+    in errors)."""
     tensors = getattr(data, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         return tensors
@@ -411,12 +423,14 @@ def _first_difference(old: str, new: str) -> str:
 
     old_lines, new_lines = old.splitlines(), new.splitlines()
     matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    for tag, i1, _, j1, _ in matcher.get_opcodes():
         if tag == "equal":
             continue
-        was = old_lines[i1].strip() if i1 < i2 else "(nothing)"
-        now = new_lines[j1].strip() if j1 < j2 else "(nothing)"
-        return f"line {j1 + 1}: {was!r} became {now!r}"
+        if tag == "delete":
+            return f"the line {old_lines[i1].strip()!r} before line {j1 + 1} was removed"
+        if tag == "insert":
+            return f"line {j1 + 1}, {new_lines[j1].strip()!r}, was added"
+        return f"line {j1 + 1}: {old_lines[i1].strip()!r} became {new_lines[j1].strip()!r}"
     return "only whitespace at the ends of lines differs"
 
 
@@ -688,10 +702,6 @@ class ModelUpdater:
         """One forward pass on a sample, and the sample shapes against the earlier updates'."""
         if not isinstance(data, Dataset):
             return None  # a loader or iterable: checked batch by batch by the trainer
-        try:
-            learner._check_data(data)  # empty data, labels outside the model's outputs
-        except ValueError as exc:
-            raise UpdateInputError(f"{what}: {exc}") from None
         inputs, targets = _first_batch(data, self.collate_fn, what)
         signature = _sample_signature(inputs, targets)
         earlier = [r["data"] for r in self._manifest_now()["history"] if r.get("data")]
@@ -701,6 +711,10 @@ class ModelUpdater:
                 f"samples of {_shown(earlier[-1])}; give data of the same shape and dtype"
             )
         self._probe(learner, inputs, what)
+        try:
+            learner._check_data(data)  # empty data, labels outside the model's outputs
+        except ValueError as exc:
+            raise UpdateInputError(f"{what}: {exc}") from None
         return signature
 
     def _probe(self, learner: BaseExperienceReplayLearner, inputs: Any, what: str) -> None:
@@ -718,9 +732,9 @@ class ModelUpdater:
         except Exception as exc:
             shape = _shown(_sample_signature(inputs, None))
             raise UpdateInputError(
-                f"{what}: the model does not accept its samples ({shape}); it raised "
-                f"{type(exc).__name__}: {' '.join(str(exc).split())}. Make model_fn's first "
-                "layer fit the data (or reshape the data)"
+                f"{what}: the model does not accept its samples ({shape}){_first_layer(model)}; "
+                f"it raised {type(exc).__name__}: {' '.join(str(exc).split())}. Make "
+                "model_fn's first layer fit the data (or reshape the data)"
             ) from None
         finally:
             model.train(was_training)
@@ -746,7 +760,7 @@ class ModelUpdater:
             return None, val_dataset
         current = None
         if val_dataset is not None:
-            current = _tensors_of(val_dataset, self.collate_fn, "the validation data")
+            current = dataset_tensors(val_dataset, self.collate_fn, "the validation data")
             self._memory.buffer.check_batch(*current)
         kept = self._memory.data()
         if kept is None:
@@ -964,20 +978,31 @@ class ModelUpdater:
         self._check_config_file(manifest["config"])
 
     def _check_config_file(self, saved: Mapping[str, Any] | None) -> None:
-        if saved is None or self.config_file is None or self.accept_config_change:
-            return
-        if saved["sha256"] == self.config_file.sha256:
-            return
-        change = "its text was not kept"
-        if saved.get("text") is not None:
-            with open(self.config_file.path, encoding="utf-8", errors="replace") as handle:
-                change = _first_difference(saved["text"], handle.read())
-        raise UpdateInputError(
-            f"the state folder {self.input_state_folder} was written with another config file "
-            f"({saved['file']}, SHA-256 {saved['sha256'][:12]}...; {self.config_file.path} is "
-            f"{self.config_file.sha256[:12]}...): {change}. Use the same file, or accept the "
-            "change (accept_config_change=True, renate-events update --accept-config-change)"
-        )
+        if self.config_file is not None and not self.accept_config_change:
+            check_config_file(self.input_state_folder, saved, self.config_file)
+
+
+def check_config_file(
+    folder: str | os.PathLike[str] | None, saved: Mapping[str, Any] | None, config: ConfigFile
+) -> None:
+    """Refuse ``config`` when the state folder (its manifest's ``config`` record, ``saved``)
+    was written with another config file, saying which line changed.
+
+    Raises:
+        UpdateInputError: The files differ.
+    """
+    if saved is None or saved["sha256"] == config.sha256:
+        return
+    change = "its text was not kept"
+    if saved.get("text") is not None:
+        with open(config.path, encoding="utf-8", errors="replace") as handle:
+            change = _first_difference(saved["text"], handle.read())
+    raise UpdateInputError(
+        f"the state folder {folder} was written with another config file ({saved['file']}, "
+        f"SHA-256 {saved['sha256'][:12]}...; {config.path} is {config.sha256[:12]}...): "
+        f"{change}. Use the same file, or accept the change (accept_config_change=True, "
+        "renate-events update --accept-config-change)"
+    )
 
 
 @attrs.frozen
@@ -1014,6 +1039,17 @@ def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, A
             f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"
         )
     return batch[0], batch[1]
+
+
+def _first_layer(model: nn.Module) -> str:
+    """`` (its first layer is Linear(10 -> 4))`` for the first linear or convolution layer."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            return f" (its first layer is Linear({module.in_features} -> {module.out_features}))"
+        if isinstance(module, nn.modules.conv._ConvNd):
+            kind = type(module).__name__
+            return f" (its first layer is {kind} with {module.in_channels} input channels)"
+    return ""
 
 
 def _shown(signature: Mapping[str, Any]) -> str:
