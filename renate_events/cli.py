@@ -103,8 +103,8 @@ def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
         "--memory-size", type=int, default=default(200), help="buffer slots" + keeps % 200
     )
     p.add_argument("--epochs", type=int, default=default(10), help="epochs per update" + keeps % 10)
-    p.add_argument(
-        "--lr", type=float, default=default(1e-3), help="Adam learning rate" + keeps % "1e-3"
+    p.add_argument(  # None: 1e-3, or what the input state or the config's optimizer_fn has
+        "--lr", type=float, default=None, help="Adam learning rate" + keeps % "1e-3"
     )
     p.add_argument(
         "--batch-size", type=int, default=default(32), help="new-data batch" + keeps % 32
@@ -462,7 +462,7 @@ class _RunOptions:
     buffer: str = attrs.field(validator=checks.one_of(*BUFFERS))
     memory_size: int = attrs.field(validator=checks.int_at_least(0))
     epochs: int = attrs.field(validator=checks.int_at_least(1))
-    lr: float = attrs.field(validator=_FINITE_POSITIVE)
+    lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
     batch_size: int = attrs.field(validator=checks.int_at_least(1))
     memory_batch_size: int = attrs.field(validator=checks.int_at_least(1))
     device: str = attrs.field(validator=_device)
@@ -1115,15 +1115,15 @@ def _prepare_config_seed(
     hyper: Mapping[str, Any],
 ) -> _Seed:
     """One seed of a run over a config file's chunks: all data read and checked first."""
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # model_fn's initial weights, then data_fn, as in `update`
+    overrides = {**_overrides(options), "seed": seed, "distributed": distributed}
+    updater = _config_updater(config, overrides, hyper, None, **_selection_settings(options))
     tasks = []
     for chunk in range(options.chunks or 0):
         train, val = config.data(chunk, seed)
         test = _test_tensors(config, chunk, seed, val)
         classes = tuple(sorted(set(test.tensors[1].tolist())))
         tasks.append(_ChunkTask(chunk, train, val, test, classes))
-    overrides = {**_overrides(options), "seed": seed, "distributed": distributed}
-    updater = _config_updater(config, overrides, hyper, None, **_selection_settings(options))
     return _Seed(
         seed, tasks, updater, torch.get_rng_state(), _for_evaluation(updater.model, config)
     )
@@ -1162,7 +1162,7 @@ def _prepare_seed(
             model,
             learner=options.learner,
             learner_kwargs=learner_kwargs,
-            optimizer={"name": "adam", "lr": options.lr},
+            optimizer={"name": "adam", "lr": 1e-3 if options.lr is None else options.lr},
             buffer=options.buffer,
             trainer_kwargs={
                 "max_epochs": options.epochs,
@@ -1487,7 +1487,7 @@ def _update_from_config(
     learner = options.learner or (manifest["learner"] if manifest else "der")
     hyper = _hyperparameter_values(values, learner, from_file, options.config)
     chunk = options.chunk_id if options.chunk_id is not None else (manifest or {}).get("updates", 0)
-    train, val = config.data(chunk, options.seed)
+    torch.manual_seed(options.seed)  # model_fn's initial weights, then data_fn, as in `run`
     overrides = {**_overrides(options), "seed": options.seed}
     updater = _config_updater(
         config,
@@ -1501,6 +1501,7 @@ def _update_from_config(
         accept_config_change=options.accept_config_change,
         **_selection_settings(options),
     )
+    train, val = config.data(chunk, options.seed)
     _progress(updater.learner_instance, f"chunk {chunk}", not options.no_progress)
     task_id = options.task_id if options.task_id is not None else chunk
     result = updater.update(train, val, task_id=task_id)

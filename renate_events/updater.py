@@ -962,6 +962,14 @@ class ModelUpdater:
             for key in ("learner", "buffer")
             if manifest[key] != mine[key]
         ]
+        saved_optimizer, live_optimizer = manifest["optimizer"], mine["optimizer"]
+        if saved_optimizer.get("name", "adam") != live_optimizer.get("name", "adam") and not (
+            "function" in saved_optimizer or "function" in live_optimizer
+        ):  # the checkpoint's optimizer state is checked against one of the same class
+            differences.append(
+                f"optimizer: the folder has {saved_optimizer.get('name', 'adam')!r}, this "
+                f"updater {live_optimizer.get('name', 'adam')!r} (its options may change)"
+            )
         for key in _STRUCTURAL:
             saved = manifest["learner_kwargs"].get(key)
             live = self.learner_kwargs.get(key)
