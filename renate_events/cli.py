@@ -172,20 +172,28 @@ def _hyperparameter_options(p: argparse.ArgumentParser) -> None:
             "--" + name.replace("_", "-"),
             dest=name,
             default=argparse.SUPPRESS,
-            metavar=kind.split(" ")[0].split("[")[0].upper(),
+            metavar="LIST" if kind.startswith("Sequence") else kind.split(" ")[0].upper(),
         )
 
 
 def _hyperparameter_epilog() -> str:
-    lines = ["learner hyperparameters (defaults):"]
-    for learner in sorted(LEARNERS):
-        schema = hyperparameters(learner)
-        shown = [
-            f"--{name.replace('_', '-')} {json.dumps(entry.default)}"
-            for name, entry in schema.items()
-            if name not in _DEDICATED
-        ]
-        lines.append(f"  {learner}: " + " ".join(shown))
+    """The hyperparameters all learners share, then each learner's own, with their defaults."""
+    schemas = {learner: hyperparameters(learner) for learner in sorted(LEARNERS)}
+    shared = set.intersection(*(set(schema) for schema in schemas.values()))
+
+    def shown(schema: Mapping[str, Any], names: Any) -> str:
+        return " ".join(
+            f"--{name.replace('_', '-')} "
+            + ("(unset)" if schema[name].default is None else json.dumps(schema[name].default))
+            for name in schema
+            if name in names and name not in _DEDICATED
+        )
+
+    first = next(iter(schemas.values()))
+    lines = ["learner hyperparameters (defaults):", f"  every learner: {shown(first, shared)}"]
+    for learner, schema in schemas.items():
+        own = set(schema) - shared
+        lines.append(f"  {learner}: {shown(schema, own) or '(none of its own)'}")
     return "\n".join(lines)
 
 
