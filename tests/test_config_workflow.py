@@ -453,3 +453,79 @@ def test_a_config_state_folder_needs_its_config_file(tmp_path, state, capsys):
     assert "was written from the config file my_config.py; pass it as --config-file" in (
         capsys.readouterr().err
     )
+
+
+LISTENER_CONFIG = '''
+import torch
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Samples as (list of floats, int): only collate_fn turns them into tensors."""
+
+    def __init__(self, chunk_id, n):
+        g = torch.Generator().manual_seed(chunk_id)
+        self.x = torch.randn(n, 3, generator=g).tolist()
+        self.y = [int(row[0] > 0) for row in self.x]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def collate_fn(batch):
+    return torch.tensor([x for x, _ in batch]), torch.tensor([y for _, y in batch])
+
+
+class CountBatches:
+    def __init__(self):
+        self.seen = 0
+
+    def on_batch_end(self):
+        self.seen += 1
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["seen"] = self.seen
+
+    def on_load_checkpoint(self, checkpoint):
+        self.seen = int(checkpoint["seen"])
+
+
+def listeners():
+    return [CountBatches()]
+
+
+def model_fn():
+    return torch.nn.Linear(3, 2)
+
+
+def data_fn(chunk_id, seed):
+    return Pairs(chunk_id, 20), Pairs(chunk_id + 100, 8)
+'''
+
+
+def test_listeners_keep_their_state_across_processes_and_collate_fn_batches_datasets(tmp_path):
+    config = tmp_path / "listening.py"
+    config.write_text(LISTENER_CONFIG)
+    first = ["update", "--config-file", config, "--output-state", tmp_path / "s0"]
+    small = ["--memory-size", "8", "--memory-batch-size", "4", "--batch-size", "5", "--epochs", "1"]
+    code, _, err = _cli(*first, "--learner", "er", *small, "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    second = ["--input-state", tmp_path / "s0", "--output-state", tmp_path / "s1", "--no-progress"]
+    code, _, err = _cli("update", "--config-file", config, *second)
+    assert code == 0, err
+    updater = ModelUpdater.from_config(
+        config,
+        learner="er",
+        learner_kwargs={"memory_size": 8, "memory_batch_size": 4, "batch_size": 5, "seed": 0},
+        trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+        input_state_folder=tmp_path / "s1",
+    )
+    (counter,) = updater.listeners
+    updater.learner_instance  # noqa: B018 - loads the folder, the listener's state with it
+    assert counter.seen == 8  # 4 batches of 5 in each of the two updates
+    record = read_manifest(tmp_path / "s1")["history"][1]
+    assert record["functions"]["listeners"] == ["CountBatches"]
+    assert record["functions"]["collate_fn"] == "config.collate_fn"
+    assert record["data"] == {"inputs": [[3], "float32"], "targets": [[], "int64"]}
