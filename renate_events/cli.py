@@ -1,4 +1,5 @@
-"""The ``renate-events`` command: run a scenario, update a state folder, evaluate one.
+"""The ``renate-events`` command: run a scenario, update a state folder, evaluate one, test for
+shift.
 
 Examples::
 
@@ -8,6 +9,7 @@ Examples::
     renate-events update --input-state runs/er/state/seed-0 --data new.npz \\
         --output-state runs/er/next
     renate-events evaluate --state runs/er/next --scenario split-digits
+    renate-events shift --reference old.npz --query new.npz       # has the data shifted?
 
 Every option is checked against a typed schema (the ``_*Options`` classes) before anything is
 trained or written; a bad option, file or state folder is one line on standard error and exit
@@ -38,6 +40,7 @@ import torch
 from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.scenarios import SCENARIOS
+from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
     BUFFERS,
     LEARNERS,
@@ -315,6 +318,40 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     return evaluate
 
 
+def _shift_parser(sub: Any) -> argparse.ArgumentParser:
+    shift = sub.add_parser(
+        "shift",
+        help="test whether new data differs from a reference (covariate shift)",
+        description="A two-sample test of --query against --reference, on the raw inputs or on "
+        "the features of a state folder's model; prints the statistic, the p-value and the "
+        "decision at --level.",
+        epilog="examples:\n  renate-events shift --reference old.npz --query new.npz\n"
+        "  renate-events shift --reference old.npz --query new.npz --detector ks --state s1 "
+        "--feature-module backbone",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shift.add_argument("--reference", required=True, help=".npz or .safetensors with 'inputs'")
+    shift.add_argument("--query", required=True, help=".npz or .safetensors with 'inputs'")
+    shift.add_argument(
+        "--detector", choices=("mmd", "ks"), default="mmd", help="mmd (default) or ks"
+    )
+    shift.add_argument("--level", type=float, default=0.05, help="significance (default 0.05)")
+    shift.add_argument(
+        "--num-permutations", type=int, default=1000, help="MMD permutations (default 1000)"
+    )
+    shift.add_argument(
+        "--max-samples", type=int, default=2000, help="MMD samples per side (default 2000)"
+    )
+    shift.add_argument("--seed", type=int, default=0, help="seed of the permutations")
+    shift.add_argument("--state", help="test on the features of this state folder's model")
+    shift.add_argument("--config-file", help="the config file the --state was written with")
+    shift.add_argument(
+        "--feature-module",
+        help="with --state: the submodule whose outputs are the features (default: the logits)",
+    )
+    return shift
+
+
 def _parser() -> _Parser:
     from renate_events import __version__
 
@@ -325,11 +362,14 @@ def _parser() -> _Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"renate-events {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,update,evaluate}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{run,update,evaluate,shift}"
+    )
     parser.commands = {
         "run": _run_parser(sub),
         "update": _update_parser(sub),
         "evaluate": _evaluate_parser(sub),
+        "shift": _shift_parser(sub),
     }
     return parser
 
@@ -528,6 +568,24 @@ class _EvaluateOptions:
     seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
 
 
+@attrs.frozen
+class _ShiftOptions:
+    """The options of ``renate-events shift``."""
+
+    reference: str = attrs.field(validator=_text)
+    query: str = attrs.field(validator=_text)
+    detector: str = attrs.field(validator=checks.one_of("mmd", "ks"))
+    level: float = attrs.field(
+        validator=checks.real_in_range(0.0, 1.0, low_open=True, high_open=True)
+    )
+    num_permutations: int = attrs.field(validator=checks.int_at_least(1, 10**7))
+    max_samples: int = attrs.field(validator=checks.int_at_least(10, 10**6))
+    seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
+    state: str | None = attrs.field(validator=_optional(_text))
+    config_file: str | None = attrs.field(validator=_optional(_text))
+    feature_module: str | None = attrs.field(validator=_optional(_text))
+
+
 def _options(
     schema: type, values: Mapping[str, Any], from_file: frozenset[str] = frozenset()
 ) -> Any:
@@ -659,14 +717,7 @@ def _one_line(error: BaseException) -> str:
 
 def _load_data_file(path: str) -> torch.utils.data.TensorDataset:
     """``inputs`` (N, features) and integer ``targets`` (N,) from a .safetensors or .npz file."""
-    if not os.path.isfile(path):
-        raise UsageError(f"--data {path}: no such file")
-    if path.endswith(".safetensors"):
-        tensors = _read_safetensors(path)
-    elif path.endswith(".npz"):
-        tensors = _read_npz(path)
-    else:
-        raise UsageError(f"--data {path}: expected a .safetensors or .npz file")
+    tensors = _read_tensors("--data", path)
     missing = {"inputs", "targets"} - set(tensors)
     if missing:
         raise UsageError(f"--data {path} lacks {sorted(missing)}; it holds {sorted(tensors)}")
@@ -675,22 +726,33 @@ def _load_data_file(path: str) -> torch.utils.data.TensorDataset:
     )
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+def _read_tensors(flag: str, path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors or .npz file (``flag`` names the option in errors)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag} {path}: no such file")
+    if path.endswith(".safetensors"):
+        return _read_safetensors(flag, path)
+    if path.endswith(".npz"):
+        return _read_npz(flag, path)
+    raise UsageError(f"{flag} {path}: expected a .safetensors or .npz file")
+
+
+def _read_safetensors(flag: str, path: str) -> dict[str, torch.Tensor]:
     import safetensors.torch
 
     try:
         return safetensors.torch.load_file(path)
     except (safetensors.SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"--data {path} is not a readable safetensors file: {exc}") from exc
+        raise UsageError(f"{flag} {path} is not a readable safetensors file: {exc}") from exc
 
 
-def _read_npz(path: str) -> dict[str, torch.Tensor]:
+def _read_npz(flag: str, path: str) -> dict[str, torch.Tensor]:
     try:
         import numpy
     except ImportError as exc:
         raise UsageError(".npz files need numpy: pip install numpy") from exc
     if not zipfile.is_zipfile(path):
-        raise UsageError(f"--data {path} is not a readable .npz file (not a zip archive)")
+        raise UsageError(f"{flag} {path} is not a readable .npz file (not a zip archive)")
     arrays = {}
     try:
         with numpy.load(path, allow_pickle=False) as archive:
@@ -698,13 +760,13 @@ def _read_npz(path: str) -> dict[str, torch.Tensor]:
                 array = archive[key]
                 if array.dtype.kind not in "biuf":
                     raise UsageError(
-                        f"--data {path}: {key!r} holds {array.dtype} values; it must hold numbers"
+                        f"{flag} {path}: {key!r} holds {array.dtype} values; it must hold numbers"
                     )
                 arrays[key] = torch.from_numpy(
                     array.astype(numpy.float64 if array.dtype.kind == "f" else numpy.int64)
                 )
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
-        raise UsageError(f"--data {path} is not a readable .npz file: {exc}") from exc
+        raise UsageError(f"{flag} {path} is not a readable .npz file: {exc}") from exc
     return arrays
 
 
@@ -1583,10 +1645,102 @@ def _evaluate_from_config(options: _EvaluateOptions) -> int:
     return 0
 
 
+# -- shift ----------------------------------------------------------------------------------------
+
+
+def _shift(values: dict[str, Any], from_file: frozenset[str]) -> int:
+    from renate_events import shift
+
+    options = _options(_ShiftOptions, values)
+    if options.state is None and (options.feature_module or options.config_file):
+        raise UsageError("--feature-module and --config-file need --state")
+    reference = _shift_inputs("--reference", options.reference)
+    query = _shift_inputs("--query", options.query)
+    extractor = None if options.state is None else _feature_extractor(options)
+    detector: shift.ShiftDetectorWithFeatureExtractor
+    if options.detector == "mmd":
+        detector = shift.MMDCovariateShiftDetector(
+            feature_extractor=extractor,
+            num_permutations=options.num_permutations,
+            max_samples=options.max_samples,
+            seed=options.seed,
+        )
+    else:
+        detector = shift.KolmogorovSmirnovCovariateShiftDetector(feature_extractor=extractor)
+    detector.fit(reference)
+    result = detector.test(query, level=options.level)
+    decision = "shift detected" if result.shift else "no shift detected"
+    print(
+        f"{options.detector}: statistic {result.statistic:.6g}, p-value {result.p_value:.4g} "
+        f"({len(reference)} reference and {len(query)} query samples); {decision} at level "
+        f"{options.level:g}"
+    )
+    return 0
+
+
+def _shift_inputs(flag: str, path: str) -> torch.utils.data.TensorDataset:
+    tensors = _read_tensors(flag, path)
+    if "inputs" not in tensors:
+        raise UsageError(f"{flag} {path} lacks 'inputs'; it holds {sorted(tensors)}")
+    inputs = tensors["inputs"]
+    if inputs.dim() == 0 or inputs.dtype.is_complex or inputs.dtype == torch.bool:
+        raise UsageError(f"{flag} {path}: 'inputs' must be real numbers, one row per sample")
+    if inputs.dtype.is_floating_point and not bool(torch.isfinite(inputs).all()):
+        raise UsageError(f"{flag} {path}: 'inputs' holds NaN or infinite values")
+    return torch.utils.data.TensorDataset(inputs.float())
+
+
+class _ModuleOutput(torch.nn.Module):
+    """The output of ``model``'s submodule ``name`` when ``model`` runs (a forward hook)."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.model, self.name = model, name
+        self.module = dict(model.named_modules())[name]
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        captured: list[torch.Tensor] = []
+        handle = self.module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            self.model(inputs)
+        finally:
+            handle.remove()
+        return captured[-1]
+
+
+def _feature_extractor(options: _ShiftOptions) -> torch.nn.Module:
+    """The state folder's model, or its submodule ``--feature-module``."""
+    state = options.state or ""
+    if options.config_file is not None:
+        manifest = read_manifest(state)
+        config = _load_config_file(options.config_file)
+        updater = _config_updater(
+            config,
+            {},
+            {},
+            manifest,
+            input_state_folder=state,
+            validation_memory=manifest.get("validation_memory", False),
+        )
+    else:
+        updater, _ = _updater_from_folder(state)
+    model = updater.learner_instance.model
+    if options.feature_module is None:
+        return model
+    names = [name for name, _ in model.named_modules() if name]
+    if options.feature_module not in names:
+        raise UsageError(
+            f"--feature-module {options.feature_module!r}: the model has no such submodule; it "
+            f"has {names[:20]}{' ...' if len(names) > 20 else ''}"
+        )
+    return _ModuleOutput(model, options.feature_module)
+
+
 _COMMANDS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = {
     "run": _run,
     "update": _update,
     "evaluate": _evaluate,
+    "shift": _shift,
 }
 
 _EXPECTED = (
@@ -1596,6 +1750,7 @@ _EXPECTED = (
     NonFiniteLossError,
     ConfigError,
     UpdateInputError,
+    ShiftDetectionError,
 )
 """What a bad argument, file, state folder or full disk raises: one line, exit status 2. Anything
 else is a bug and keeps its traceback."""
