@@ -71,3 +71,12 @@ def test_gpu_check_dry_run_runs_every_section():
     ):
         assert line in out, line
     assert "Traceback" not in out
+
+
+def test_shift_detection_writes_its_page(tmp_path):
+    page = tmp_path / "shift_detection.md"
+    _run("shift_detection.py", "--trials", "10", "--permutations", "20", "--markdown", str(page))
+    text = page.read_text(encoding="utf-8")
+    for heading in ("## Calibration", "## Power", "## Cost"):
+        assert heading in text
+    assert "| class-proportion shift | 0.9 |" in text
