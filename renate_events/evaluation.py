@@ -14,12 +14,19 @@ Metrics (functions of ``R``):
 * :func:`backward_transfer`: ``BWT = 1/(T-1) sum_{j<T-1} (R[T-1][j] - R[j][j])``,
 * :func:`forward_transfer`: ``FWT = 1/(T-1) sum_{j>=1} (R[j-1][j] - b[j])``.
 
+Update-regression metrics (Renate's ``performance_regression_metrics``) compare two model
+versions sample by sample: :func:`regression_metrics` on their predictions,
+:func:`model_regression_metrics` on two models and a dataset.
+
 References:
     David Lopez-Paz and Marc'Aurelio Ranzato, "Gradient Episodic Memory for Continual Learning",
     NeurIPS 2017 (average accuracy, backward and forward transfer).
     Arslan Chaudhry, Puneet K. Dokania, Thalaiyasingam Ajanthan and Philip H. S. Torr, "Riemannian
     Walk for Incremental Learning: Understanding Forgetting and Intransigence", ECCV 2018
     (forgetting).
+    Sijie Yan, Yuanjun Xiong, Kaustav Kundu, Shuo Yang, Siqi Deng, Meng Wang, Wei Xia and
+    Stefano Soatto, "Positive-Congruent Training: Towards Regression-Free Model Updates", CVPR
+    2021 (negative flip rate and impact).
 
 Example:
     >>> from renate_events.evaluation import AccuracyMatrix, average_accuracy, forgetting
@@ -55,6 +62,8 @@ __all__ = [
     "forgetting",
     "forward_transfer",
     "micro_average_accuracy",
+    "model_regression_metrics",
+    "regression_metrics",
 ]
 
 Mode = Literal["class-incremental", "task-incremental"]
@@ -575,3 +584,151 @@ def forward_transfer(matrix: MatrixLike, baseline: Sequence[float] | None = None
             f"({len(rows)}), got {baseline!r}"
         )
     return math.fsum(rows[j - 1][j] - b[j] for j in range(1, len(rows))) / (len(rows) - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Update-regression metrics
+# --------------------------------------------------------------------------------------------
+
+
+def _predictions(values: Any, name: str) -> torch.Tensor:
+    """Class predictions from ``(N,)`` integer labels or ``(N, K)`` logits (their argmax)."""
+    if not isinstance(values, torch.Tensor):
+        raise validators.WrongTypeError(
+            f"regression_metrics: {name} must be a torch.Tensor of labels (N,) or logits (N, K), "
+            f"got {type(values).__name__}"
+        )
+    if values.dim() == 2:
+        return values.argmax(dim=1)
+    if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise ValueError(
+            f"regression_metrics: {name} must be integer labels of shape (N,) or logits of shape "
+            f"(N, K), got {values.dtype} of shape {tuple(values.shape)}"
+        )
+    return values
+
+
+def regression_metrics(
+    old_outputs: torch.Tensor, new_outputs: torch.Tensor, targets: torch.Tensor
+) -> dict[str, float]:
+    """Negative and positive flip rates and impacts between an old and a new model version.
+
+    With ``old_ok = old == y`` and ``new_ok = new == y`` per sample (``N`` samples), as Renate's
+    ``performance_regression_metrics`` defines them:
+
+    * ``"nfr"``, negative flip rate: ``#(old_ok & ~new_ok) / N``;
+    * ``"nfi"``, negative flip impact: ``#(old_ok & ~new_ok) / #(~new_ok)``, the share of the
+      new model's errors that the old model got right;
+    * ``"pfr"``, positive flip rate: ``#(~old_ok & new_ok) / N``;
+    * ``"pfi"``, positive flip impact: ``#(~old_ok & new_ok) / #(new_ok)``, the share of the new
+      model's correct predictions that the old model got wrong.
+
+    An impact whose denominator is zero (the new model makes no error, or gets nothing right)
+    has a zero numerator too and is reported as ``0.0`` (Renate would give NaN). The counts are
+    taken on the tensors' device with one synchronisation.
+
+    Args:
+        old_outputs: The old model's predicted labels ``(N,)`` or logits ``(N, K)``.
+        new_outputs: The new model's predicted labels ``(N,)`` or logits ``(N, K)``.
+        targets: The true labels ``(N,)``.
+
+    Returns:
+        ``{"nfr": ..., "nfi": ..., "pfr": ..., "pfi": ...}``, each in ``[0, 1]``.
+
+    Raises:
+        ValueError: Empty inputs, shapes that differ, or tensors that are neither labels nor
+            logits.
+
+    Example:
+        >>> import torch
+        >>> old, new = torch.tensor([2, 1, 0, 2]), torch.tensor([1, 3, 0, 3])
+        >>> regression_metrics(old, new, torch.tensor([3, 3, 0, 2]))
+        {'nfr': 0.25, 'nfi': 0.5, 'pfr': 0.25, 'pfi': 0.5}
+    """
+    old = _predictions(old_outputs, "old_outputs")
+    new = _predictions(new_outputs, "new_outputs")
+    labels = _predictions(targets, "targets")
+    if targets.dim() != 1:
+        raise ValueError(
+            f"regression_metrics: targets must be labels of shape (N,), got {tuple(targets.shape)}"
+        )
+    if not old.shape == new.shape == labels.shape:
+        raise ValueError(
+            "regression_metrics: old_outputs, new_outputs and targets must describe the same "
+            f"samples, got {tuple(old.shape)}, {tuple(new.shape)} and {tuple(labels.shape)} "
+            "predictions"
+        )
+    if labels.numel() == 0:
+        raise ValueError("regression_metrics: no samples; the flip rates are undefined")
+    new = new.to(labels.device)
+    old_ok, new_ok = old.to(labels.device) == labels, new == labels
+    counts = torch.stack(
+        [(old_ok & ~new_ok).sum(), (~new_ok).sum(), (~old_ok & new_ok).sum(), new_ok.sum()]
+    ).tolist()
+    negative, errors, positive, correct = counts
+    total = labels.numel()
+    return {
+        "nfr": negative / total,
+        "nfi": negative / errors if errors else 0.0,
+        "pfr": positive / total,
+        "pfi": positive / correct if correct else 0.0,
+    }
+
+
+def _all_logits(model: nn.Module, data: Any, batch_size: int, device: torch.device) -> Any:
+    """Logits of ``model`` on every sample of ``data`` and the targets, on ``device``."""
+    outputs, labels = [], []
+    for inputs, targets in _batches(data, batch_size, "regression metrics"):
+        logits = forward(model, to_device(inputs, device))
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                "model_regression_metrics: the models must return logits of shape "
+                f"(batch, num_classes), got {got}"
+            )
+        outputs.append(logits.argmax(dim=1))
+        labels.append(targets.to(device))
+    if not labels:
+        raise ValueError("model_regression_metrics: the dataset is empty")
+    return torch.cat(outputs), torch.cat(labels)
+
+
+def model_regression_metrics(
+    old_model: nn.Module,
+    new_model: nn.Module,
+    data: Any,
+    *,
+    batch_size: int = 256,
+    device: str | torch.device | None = None,
+) -> dict[str, float]:
+    """:func:`regression_metrics` of two models on a dataset of ``(inputs, target)``.
+
+    Both models run in eval mode under ``torch.no_grad()`` and get back their train/eval modes
+    afterwards; each runs on ``device``, by default the device of its own first parameter
+    (neither model is moved).
+
+    Example:
+        >>> import torch
+        >>> data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.arange(8) % 2)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> model_regression_metrics(model, model, data)["nfr"]
+        0.0
+    """
+    for name, model in (("old_model", old_model), ("new_model", new_model)):
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model_regression_metrics: {name} must be a torch.nn.Module, got "
+                f"{type(model).__name__}"
+            )
+    validators.check_int("model_regression_metrics: batch_size", batch_size, 1)
+    modes = [(m, m.training) for model in (old_model, new_model) for m in model.modules()]
+    old_model.eval()
+    new_model.eval()
+    try:
+        with torch.no_grad():
+            old, _ = _all_logits(old_model, data, batch_size, _device(old_model, device))
+            new, targets = _all_logits(new_model, data, batch_size, _device(new_model, device))
+    finally:
+        for module, training in modes:
+            module.training = training
+    return regression_metrics(old, new, targets)
