@@ -40,6 +40,7 @@ import torch
 from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.scenarios import SCENARIOS
+from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
     BUFFERS,
@@ -280,6 +281,21 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
     )
     update.add_argument("--task-id", default=None, help="a name for this update")
     update.add_argument(
+        "--search",
+        type=int,
+        default=None,
+        metavar="TRIALS",
+        help="with --config-file: run TRIALS trials of this update (Optuna) over the search "
+        "space of the --config TOML file and keep the best (see the docs' search section)",
+    )
+    update.add_argument(
+        "--search-storage",
+        default=None,
+        help="Optuna storage URL (sqlite:///search.db, postgresql://...): resume an interrupted "
+        "search, or share one among workers",
+    )
+    update.add_argument("--search-study", default=None, help="the study's name in --search-storage")
+    update.add_argument(
         "--lock-timeout",
         type=float,
         default=60.0,
@@ -383,10 +399,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[str, dict[str, Any], frozenset[s
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     from_file: set[str] = set()
+    if command == "update":
+        args["search_space"] = {}
     if args.get("config") is not None:
         given = _given_on_the_command_line(argv, command)
         known = set(args) | set(_hyperparameter_names())
         values = _read_config(args["config"], known, command)
+        if command == "update":  # tables are the ranges of a search, not values
+            args["search_space"] = {k: v for k, v in values.items() if isinstance(v, dict)}
+            values = {k: v for k, v in values.items() if not isinstance(v, dict)}
         from_file = set(values) - given
         args.update({name: values[name] for name in from_file})
     return command, args, frozenset(from_file)
@@ -536,6 +557,10 @@ class _UpdateOptions:
     in_place: bool = attrs.field(validator=checks.boolean)
     accept_config_change: bool = attrs.field(validator=checks.boolean)
     task_id: str | None = attrs.field(validator=_optional(_text))
+    search: int | None = attrs.field(validator=checks.int_at_least(1, 10**5, optional=True))
+    search_storage: str | None = attrs.field(validator=_optional(_text))
+    search_study: str | None = attrs.field(validator=_optional(_text))
+    search_space: dict[str, Any] = attrs.field(validator=attrs.validators.instance_of(dict))
     lock_timeout: float = attrs.field(validator=checks.real_in_range(0.0))
     learner: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(LEARNERS))))
     buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
@@ -1514,7 +1539,7 @@ def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
             "update needs --input-state and --data, or --config-file (its data_fn gives the "
             "data; see renate-events update -h)"
         )
-    for name in ("chunk_id", "metric", "early_stopping"):
+    for name in ("chunk_id", "metric", "early_stopping", "search"):
         if getattr(options, name) is not None:
             raise UsageError(f"--{name.replace('_', '-')} needs --config-file")
     data = _load_data_file(options.data)
@@ -1557,8 +1582,10 @@ def _update_from_config(
     learner = options.learner or (manifest["learner"] if manifest else "der")
     hyper = _hyperparameter_values(values, learner, from_file, options.config)
     chunk = options.chunk_id if options.chunk_id is not None else (manifest or {}).get("updates", 0)
-    torch.manual_seed(options.seed)  # model_fn's initial weights, then data_fn, as in `run`
     overrides = {**_overrides(options), "seed": options.seed}
+    if options.search is not None or options.search_space:
+        return _search_update(options, config, manifest, overrides, hyper, chunk)
+    torch.manual_seed(options.seed)  # model_fn's initial weights, then data_fn, as in `run`
     updater = _config_updater(
         config,
         overrides,
@@ -1582,6 +1609,216 @@ def _update_from_config(
         f"trained {result.steps} steps on chunk {chunk}; {shown}; state in {options.output_state}"
     )
     return 0
+
+
+# -- update --search ------------------------------------------------------------------------------
+
+
+def _search_update(
+    options: _UpdateOptions,
+    config: ConfigFile,
+    manifest: Mapping[str, Any] | None,
+    overrides: Mapping[str, Any],
+    hyper: Mapping[str, Any],
+    chunk: int,
+) -> int:
+    """``update --search N``: N trials of this update from the same input state; the best
+    trial's state, with the trials table ``search.csv``, is the output."""
+    from renate_events import search
+
+    if options.search is None or not options.search_space:
+        raise UsageError(
+            "--search TRIALS and a search space go together: give --search and, in the --config "
+            "TOML file, tables such as alpha = {low = 0.05, high = 1.0, log = true}"
+        )
+    try:
+        optuna = search.require_optuna()
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
+    space = search.parse_space(options.search_space, options.config or "--config")
+    learner = overrides.get("learner") or (manifest["learner"] if manifest else "der")
+    _check_space(space, learner, manifest)
+    selection = _selection_settings(options)
+    if selection["metric"] is None:
+        selection.update(metric="val_loss", mode=options.mode or "min")
+    task_id = options.task_id if options.task_id is not None else chunk
+    runner = _TrialRunner(options, config, manifest, overrides, hyper, chunk, selection, task_id)
+    study = _study(optuna, options, selection["mode"])
+    _warm_start(study, options, manifest, space, selection["mode"])
+    finished = [t for t in study.trials if t.state.is_finished()]
+    study.optimize(
+        lambda trial: runner.trial(trial, search.suggest(trial, space), optuna),
+        n_trials=max(0, options.search - len(finished)),
+    )
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        raise UsageError(f"--search: none of the {len(study.trials)} trials completed")
+    best = study.best_trial
+    updater = runner.best_updater(best)
+    updater.write_output({search.SEARCH_FILE: search.trials_table(study)})
+    steps = sum(int(t.user_attrs.get("steps", 0)) for t in study.trials)
+    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials)
+    print(
+        f"searched {len(study.trials)} trials ({pruned} pruned, {steps} steps in all); best "
+        f"trial {best.number}: {selection['metric']} {best.value:.4f} with {best.params}; "
+        f"state in {options.output_state}"
+    )
+    return 0
+
+
+def _check_space(space: Mapping[str, Any], learner: str, manifest: Any) -> None:
+    """Every name in the space is an option or a hyperparameter, every value of the right kind."""
+    from renate_events import search
+
+    learners = (
+        list(space["learner"].choices)
+        if isinstance(space.get("learner"), search.Choice)
+        else [learner]
+    )
+    _check_option_ranges(space)
+    for name in sorted(space):
+        if manifest is not None and name in ("learner", "buffer", "memory_size"):
+            raise UsageError(
+                f"--search: {name} shapes the stored state and cannot change on a later update; "
+                "search it on the first update"
+            )
+        if name in search.OPTIONS:
+            continue
+        for candidate in learners:
+            parameter = space[name]
+            values = (
+                parameter.choices
+                if isinstance(parameter, search.Choice)
+                else (parameter.low, parameter.high)
+            )
+            for value in values:
+                try:
+                    check_value(candidate, name, value)
+                except HyperparameterError as exc:
+                    raise UsageError(f"--search: {exc}") from None
+
+
+def _check_option_ranges(space: Mapping[str, Any]) -> None:
+    """The searched options' values are ones the command line accepts."""
+    from renate_events import search
+
+    names = {"learner": sorted(LEARNERS), "buffer": sorted(BUFFERS)}
+    for name, allowed in names.items():
+        parameter = space.get(name)
+        if parameter is None:
+            continue
+        bad = [c for c in getattr(parameter, "choices", (None,)) if c not in allowed]
+        if bad:
+            raise UsageError(f"--search: {name} choice {bad[0]!r} is not one of {allowed}")
+    lowest = {"lr": 0.0, "epochs": 1, "batch_size": 1, "memory_batch_size": 1, "memory_size": 0}
+    for name, low in lowest.items():
+        parameter = space.get(name)
+        values = getattr(parameter, "choices", None) or (getattr(parameter, "low", None),)
+        if parameter is not None and any(not checks.is_real(v) or v < low for v in values):
+            raise UsageError(f"--search: {name} must be a number >= {low} in every trial")
+        if isinstance(parameter, search.FloatRange) and name != "lr":
+            raise UsageError(f"--search: {name} is an int: give int low and high")
+
+
+def _study(optuna: Any, options: _UpdateOptions, mode: str) -> Any:
+    from renate_events import search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return search.create_study(
+            optuna,
+            mode=mode,
+            seed=options.seed,
+            storage=options.search_storage,
+            name=options.search_study,
+        )
+    except Exception as exc:  # Optuna raises many kinds for a storage it cannot open
+        raise UsageError(
+            f"--search-storage {options.search_storage}: cannot open it ({type(exc).__name__}: "
+            f"{_one_line(exc)})"
+        ) from None
+
+
+def _warm_start(
+    study: Any, options: _UpdateOptions, manifest: Any, space: Mapping[str, Any], mode: str
+) -> None:
+    """Try the input state's best earlier configurations first (once per study)."""
+    from renate_events import search
+
+    if manifest is None or search.SEARCH_FILE not in manifest["files"] or study.trials:
+        return
+    path = os.path.join(options.input_state or "", search.SEARCH_FILE)
+    with open(path, encoding="utf-8") as handle:
+        for params in search.earlier_best(handle.read(), space, mode):
+            study.enqueue_trial(params)
+
+
+@attrs.define(eq=False)
+class _TrialRunner:
+    """Builds and trains one trial's updater; keeps the best one's in memory."""
+
+    options: _UpdateOptions
+    config: ConfigFile
+    manifest: Any
+    overrides: Mapping[str, Any]
+    hyper: Mapping[str, Any]
+    chunk: int
+    selection: dict[str, Any]
+    task_id: Any
+    kept: dict[int, ModelUpdater] = attrs.field(factory=dict)
+
+    def trial(self, trial: Any, params: Mapping[str, Any], optuna: Any) -> float:
+        from renate_events import search
+
+        updater = self._updater(params)
+        pruner = search.TrialPruner(trial, self.selection["metric"])
+        trainer = updater.learner_instance.trainer
+        with trainer.subscribed(pruner, name="_trial_pruner"):
+            train, val = self.config.data(self.chunk, self.options.seed)
+            result = updater.update(train, val, task_id=self.task_id, write=False)
+        trial.set_user_attr("steps", int(result.steps))
+        if pruner.pruned:
+            raise optuna.TrialPruned()
+        value = float(updater.history[-1]["best"]["value"])
+        best = min if self.selection["mode"] == "min" else max
+        if not self.kept or best(value, self._kept_value()) == value:
+            self.kept = {trial.number: updater}
+        trial.set_user_attr("value", value)
+        return value
+
+    def _kept_value(self) -> float:
+        (updater,) = self.kept.values()
+        return float(updater.history[-1]["best"]["value"])
+
+    def best_updater(self, best: Any) -> ModelUpdater:
+        """The best trial's updater: kept, or trained again from its parameters when another
+        process ran it (an interrupted search, or another worker on the same storage)."""
+        if best.number in self.kept:
+            return self.kept[best.number]
+        updater = self._updater(best.params)
+        train, val = self.config.data(self.chunk, self.options.seed)
+        updater.update(train, val, task_id=self.task_id, write=False)
+        return updater
+
+    def _updater(self, params: Mapping[str, Any]) -> ModelUpdater:
+        from renate_events import search
+
+        overrides, hyper = dict(self.overrides), dict(self.hyper)
+        for name, value in params.items():
+            (overrides if name in search.OPTIONS else hyper)[name] = value
+        torch.manual_seed(self.options.seed)  # every trial starts from the same weights
+        return _config_updater(
+            self.config,
+            overrides,
+            hyper,
+            self.manifest,
+            input_state_folder=self.options.input_state,
+            output_state_folder=self.options.output_state,
+            in_place=self.options.in_place,
+            lock_timeout=self.options.lock_timeout,
+            accept_config_change=self.options.accept_config_change,
+            **self.selection,
+        )
 
 
 def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
@@ -1751,6 +1988,7 @@ _EXPECTED = (
     ConfigError,
     UpdateInputError,
     ShiftDetectionError,
+    SearchSpaceError,
 )
 """What a bad argument, file, state folder or full disk raises: one line, exit status 2. Anything
 else is a bug and keeps its traceback."""

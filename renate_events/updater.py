@@ -147,6 +147,7 @@ _MODEL_CARD = "model.json"
 _MANIFEST = "manifest.json"
 _FILES = (_CHECKPOINT, _MODEL, _MODEL_CARD)  # the files a state folder holds besides its manifest
 _FILES_V1 = (_CHECKPOINT,)
+_OPTIONAL_FILES = ("search.csv",)  # the trials table of a hyperparameter search
 _MANIFEST_KEYS_V1 = frozenset(
     [
         "format",
@@ -624,6 +625,8 @@ class ModelUpdater:
         train_dataset: torch.utils.data.Dataset[Any],
         val_dataset: torch.utils.data.Dataset[Any] | None = None,
         task_id: str | int | None = None,
+        *,
+        write: bool = True,
     ) -> FitResult:
         """Train on one new chunk of data and, if configured, write the output state folder.
 
@@ -631,10 +634,12 @@ class ModelUpdater:
         and against the samples of earlier updates, the best-model metric against what the
         update reports, and the output folder against what may be written (see the class and
         module docstrings). With ``metric``, the model ends with its best validation's weights.
+        ``write=False`` leaves the output folder to :meth:`write_output` (a search writes only
+        its best trial's).
         """
         _check_task_id(task_id)
         learner = self.learner_instance
-        expected = self._expected_output()
+        self._expected_output()  # checks the output folder, remembers what it holds now
         signature = self._check_inputs(learner, train_dataset, "the training data")
         current, validation = self._validation_data(val_dataset)
         self._check_metric(validation is not None)
@@ -659,11 +664,27 @@ class ModelUpdater:
         manifest["task_ids"].append(task_id)
         manifest["history"].append(record)
         self._manifest = manifest
-        if self.output_state_folder is not None:
-            staged = self.stage_state(self.output_state_folder, expected=expected)
-            staged.commit()
-            self._seen[staged.folder] = staged.token
+        if write and self.output_state_folder is not None:
+            self.write_output()
         return result
+
+    def write_output(self, files: Mapping[str, bytes] | None = None) -> None:
+        """Write the state to ``output_state_folder`` if it still holds what it held when the
+        last update started (else :class:`StateFolderConflictError`); ``files`` adds optional
+        files (``search.csv``)."""
+        if self.output_state_folder is None:
+            raise ValueError("ModelUpdater.write_output: no output_state_folder is set")
+        expected = self._expected_output()
+        staged = _stage(
+            _key(self.output_state_folder),
+            self.learner_instance,
+            self._manifest_now(),
+            expected,
+            self.lock_timeout,
+            files,
+        )
+        staged.commit()
+        self._seen[staged.folder] = staged.token
 
     def stage_state(
         self, folder: str | os.PathLike[str], *, expected: str | None
@@ -1207,7 +1228,7 @@ def _token(folder: str) -> str | None:
     entries = sorted(os.listdir(folder))
     if not entries:
         return None
-    others = [entry for entry in entries if entry not in (_MANIFEST, *_FILES)]
+    others = [entry for entry in entries if entry not in (_MANIFEST, *_FILES, *_OPTIONAL_FILES)]
     if others or _MANIFEST not in entries:
         shown = others[:5] + (["..."] if len(others) > 5 else [])
         raise StateFolderError(
@@ -1459,8 +1480,12 @@ def _check_files(key: str, manifest: dict[str, Any]) -> None:
     files = manifest["files"]
     _check_dict(f"{key} 'files'", files)
     expected = _FILES if manifest["format_version"] >= 2 else _FILES_V1
-    if sorted(files) != sorted(expected):
-        raise ValueError(f"{key} 'files' must list exactly {list(expected)}, got {sorted(files)}")
+    optional = _OPTIONAL_FILES if manifest["format_version"] >= 2 else ()
+    if not set(expected) <= set(files) <= set(expected) | set(optional):
+        raise ValueError(
+            f"{key} 'files' must list exactly {list(expected)} (and optionally "
+            f"{list(optional)}), got {sorted(files)}"
+        )
     for name, checksum in files.items():
         if not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{64}", checksum)):
             raise ValueError(f"{key} 'files.{name}' must be a SHA-256 in hex, got {checksum!r}")
@@ -1571,6 +1596,7 @@ def _stage(
     manifest: dict[str, Any],
     expected: str | None,
     timeout: float,
+    extra: Mapping[str, bytes] | None = None,
 ) -> StagedStateFolder:
     """Take the exclusive lock, check the destination, write the new folder beside it."""
     try:
@@ -1588,7 +1614,7 @@ def _stage(
                 "would discard that update: run this update again from the folder's current state"
             )
         os.mkdir(staging)
-        token = _write_contents(staging, learner, manifest)
+        token = _write_contents(staging, learner, manifest, extra or {})
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         lock.release()
@@ -1598,9 +1624,14 @@ def _stage(
     return StagedStateFolder(folder, staging, token, lock)
 
 
-def _write_contents(staging: str, learner: BaseExperienceReplayLearner, manifest: dict) -> str:
-    """Write the checkpoint, the model alone, its card and the manifest into ``staging``; return
-    the manifest's token."""
+def _write_contents(
+    staging: str,
+    learner: BaseExperienceReplayLearner,
+    manifest: dict,
+    extra: Mapping[str, bytes],
+) -> str:
+    """Write the checkpoint, the model alone, its card, the ``extra`` files (of
+    ``_OPTIONAL_FILES``) and the manifest into ``staging``; return the manifest's token."""
     checkpoint = os.path.join(staging, _CHECKPOINT)
     learner.save_checkpoint(checkpoint)
     model_file = os.path.join(staging, _MODEL)
@@ -1611,7 +1642,16 @@ def _write_contents(staging: str, learner: BaseExperienceReplayLearner, manifest
     safetensors.torch.save_file(weights, model_file, metadata={"format": "pt"})
     card = os.path.join(staging, _MODEL_CARD)
     _write_json(card, _model_card(manifest))
-    files = {name: sha256_of_file(os.path.join(staging, name)) for name in _FILES}
+    for name, data in extra.items():
+        if name not in _OPTIONAL_FILES:
+            raise ValueError(
+                f"a state folder holds no file {name!r}; it may hold {_OPTIONAL_FILES}"
+            )
+        with open(os.path.join(staging, name), "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    files = {name: sha256_of_file(os.path.join(staging, name)) for name in (*_FILES, *extra)}
     manifest = {**manifest, "files": files}
     _check_manifest(os.path.join(staging, _MANIFEST), manifest)
     raw = _write_json(os.path.join(staging, _MANIFEST), manifest)

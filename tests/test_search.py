@@ -1,0 +1,174 @@
+"""Hyperparameter search of one update: renate_events.search, `renate-events update --search`."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+import torch
+
+from renate_events.search import (
+    Choice,
+    FloatRange,
+    IntRange,
+    SearchSpaceError,
+    TrialPruner,
+    earlier_best,
+    parse_space,
+)
+from renate_events.updater import read_manifest
+
+optuna = pytest.importorskip("optuna")
+
+from renate_events.cli import main  # noqa: E402
+
+CONFIG = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model_fn():
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _chunk(chunk_id, seed, n):
+    g = torch.Generator().manual_seed(100 * chunk_id + seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] + x[:, 1] > 0).long())
+
+
+def data_fn(chunk_id, seed):
+    return _chunk(chunk_id, seed, 64), _chunk(chunk_id, seed + 1, 32)
+"""
+
+SPACE = 'learner = "er"\nmemory-size = 32\nepochs = 3\nalpha = {low = 0.1, high = 1.0}\n'
+SPACE += "lr = {low = 1e-3, high = 1e-1, log = true}\n"
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "c.py").write_text(CONFIG)
+    (tmp_path / "space.toml").write_text(SPACE)
+    return tmp_path
+
+
+def _search(files, out, trials, *extra):
+    args = ["update", "--config-file", files / "c.py", "--config", files / "space.toml"]
+    args += ["--output-state", out, "--search", trials, "--device", "cpu", "--no-progress"]
+    return main([*map(str, args), *map(str, extra)])
+
+
+def _rows(folder):
+    return list(csv.DictReader(io.StringIO((folder / "search.csv").read_text())))
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"alpha": {"low": 2.0, "high": 1.0}}, "alpha has low 2.0 > high 1.0"),
+        ({"lr": {"low": 0.0, "high": 1.0, "log": True}}, "log-uniform, so low must be > 0"),
+        ({"learner": {"choices": []}}, "choices must be a non-empty list"),
+        ({"alpha": 0.5}, "alpha must be a table"),
+        ({"alpha": {"low": 0.1}}, r"must be \{low = ..., high = ...\[, log = true\]\}"),
+    ],
+)
+def test_bad_search_spaces_are_refused(space, message):
+    with pytest.raises(SearchSpaceError, match=message):
+        parse_space(space, "space.toml")
+
+
+def test_spaces_parse_to_ranges_and_choices():
+    space = parse_space(
+        {"alpha": {"low": 0.1, "high": 1}, "epochs": {"low": 1, "high": 4}, "b": {"choices": [1]}},
+        "s",
+    )
+    assert space == {
+        "alpha": FloatRange(0.1, 1.0),
+        "epochs": IntRange(1, 4),
+        "b": Choice((1,)),
+    }
+
+
+def test_earlier_best_takes_the_best_complete_trials_inside_the_space():
+    table = "number,state,value,steps,alpha\n0,COMPLETE,0.5,4,0.3\n1,PRUNED,0.1,2,0.2\n"
+    table += "2,COMPLETE,0.2,4,0.9\n3,COMPLETE,0.3,4,5.0\n"
+    space = {"alpha": FloatRange(0.1, 1.0)}
+    assert earlier_best(table, space, "min") == [{"alpha": 0.9}, {"alpha": 0.3}]
+    assert earlier_best(table, space, "max") == [{"alpha": 0.3}, {"alpha": 0.9}]
+
+
+class _Trial:
+    def __init__(self, prune_at):
+        self.prune_at, self.reported = prune_at, []
+
+    def report(self, value, step):
+        self.reported.append((step, value))
+
+    def should_prune(self):
+        return len(self.reported) >= self.prune_at
+
+
+def test_the_pruner_listener_reports_and_stops_the_fit():
+    from renate_events.learners import ExperienceReplayLearner
+    from trainer import Trainer
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    learner = ExperienceReplayLearner(
+        model=torch.nn.Linear(4, 2), memory_size=8, memory_batch_size=4, batch_size=8,
+        trainer=Trainer(max_epochs=5, device="cpu"),
+    )  # fmt: skip
+    pruner = TrialPruner(_Trial(prune_at=2), "val_loss")
+    learner.trainer.subscribe(pruner)
+    result = learner.fit(data, data)
+    assert pruner.pruned and result.stopped_early and result.epochs == 2
+    assert [step for step, _ in pruner.trial.reported] == [0, 1]
+
+
+def test_a_search_writes_the_best_trials_state_and_the_trials_table(files):
+    out = files / "s0"
+    assert _search(files, out, 5) == 0
+    rows = _rows(out)
+    assert len(rows) == 5 and {row["state"] for row in rows} <= {"COMPLETE", "PRUNED"}
+    complete = [row for row in rows if row["state"] == "COMPLETE"]
+    best = min(complete, key=lambda row: float(row["value"]))
+    record = read_manifest(out)["history"][-1]
+    assert record["learner_kwargs"]["alpha"] == pytest.approx(float(best["alpha"]))
+    assert record["best"]["value"] == pytest.approx(float(best["value"]), rel=1e-5)
+    assert read_manifest(out)["optimizer"]["lr"] == pytest.approx(float(best["lr"]))
+    # The next update's search tries the earlier best configuration first.
+    assert _search(files, files / "s1", 2, "--input-state", out) == 0
+    first = _rows(files / "s1")[0]
+    assert (first["alpha"], first["lr"]) == (best["alpha"], best["lr"])
+
+
+def test_an_interrupted_search_resumes_from_its_storage(files):
+    storage = f"sqlite:///{files / 'search.db'}"
+    extra = ["--search-storage", storage, "--search-study", "day-0"]
+    assert _search(files, files / "a", 2, *extra) == 0
+    assert _search(files, files / "b", 3, *extra) == 0  # one more trial, three in the table
+    assert len(_rows(files / "b")) == 3
+    assert [row["number"] for row in _rows(files / "b")] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("space", "extra", "message"),
+    [
+        ("alpha = {low = 2.0, high = 1.0}\n", [], "alpha has low 2.0 > high 1.0"),
+        ("gamma = {low = 0.1, high = 1.0}\n", [], "unknown options ['gamma']"),
+        ('alpha = {choices = ["x", 0.5]}\n', [], "--search: alpha must be a number, got 'x'"),
+        ('learner = {choices = ["er", "gem"]}\n', [], "learner choice 'gem' is not one of"),
+        ("epochs = {low = 0, high = 3}\n", [], "epochs must be a number >= 1 in every trial"),
+        (
+            "alpha = {low = 0.1, high = 1.0}\n",
+            ["--search-storage", "sqlite:////no/such/folder/x.db"],
+            "--search-storage sqlite:////no/such/folder/x.db: cannot open it",
+        ),
+    ],
+)
+def test_bad_searches_are_one_line_and_write_nothing(files, capsys, space, extra, message):
+    (files / "space.toml").write_text(space)
+    assert _search(files, files / "out", 2, *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (files / "out").exists()
