@@ -296,6 +296,12 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
     )
     update.add_argument("--search-study", default=None, help="the study's name in --search-storage")
     update.add_argument(
+        "--search-pruner",
+        choices=("median", "none"),
+        default="median",
+        help="median (default): stop trials worse than the median at the same epoch; none",
+    )
+    update.add_argument(
         "--lock-timeout",
         type=float,
         default=60.0,
@@ -560,6 +566,7 @@ class _UpdateOptions:
     search: int | None = attrs.field(validator=checks.int_at_least(1, 10**5, optional=True))
     search_storage: str | None = attrs.field(validator=_optional(_text))
     search_study: str | None = attrs.field(validator=_optional(_text))
+    search_pruner: str = attrs.field(validator=checks.one_of("median", "none"))
     search_space: dict[str, Any] = attrs.field(validator=attrs.validators.instance_of(dict))
     lock_timeout: float = attrs.field(validator=checks.real_in_range(0.0))
     learner: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(LEARNERS))))
@@ -1644,7 +1651,11 @@ def _search_update(
     task_id = options.task_id if options.task_id is not None else chunk
     runner = _TrialRunner(options, config, manifest, overrides, hyper, chunk, selection, task_id)
     study = _study(optuna, options, selection["mode"])
-    _warm_start(study, options, manifest, space, selection["mode"])
+    if not study.trials:  # the settings the update would have used, then earlier best ones
+        current = _current_params(space, learner, manifest, overrides, hyper)
+        if current is not None:
+            study.enqueue_trial(current)
+        _warm_start(study, options, manifest, space, selection["mode"])
     finished = [t for t in study.trials if t.state.is_finished()]
     study.optimize(
         lambda trial: runner.trial(trial, search.suggest(trial, space), optuna),
@@ -1731,6 +1742,7 @@ def _study(optuna: Any, options: _UpdateOptions, mode: str) -> Any:
             seed=options.seed,
             storage=options.search_storage,
             name=options.search_study,
+            pruner=options.search_pruner,
         )
     except Exception as exc:  # Optuna raises many kinds for a storage it cannot open
         raise UsageError(
@@ -1739,13 +1751,45 @@ def _study(optuna: Any, options: _UpdateOptions, mode: str) -> Any:
         ) from None
 
 
+def _current_params(
+    space: Mapping[str, Any],
+    learner: str,
+    manifest: Any,
+    overrides: Mapping[str, Any],
+    hyper: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """What the update would use without a search, for every searched name; None when any of
+    them lies outside the space (then the search need not try it)."""
+    from renate_events import search
+
+    _, _, kwargs = _learner_settings(overrides, hyper, manifest)
+    trainer = _trainer_setting(overrides, manifest, None)
+    optimizer = _optimizer_setting(overrides, manifest, None).get("optimizer", {})
+    known = {
+        **{name: entry.default for name, entry in hyperparameters(learner).items()},
+        **kwargs,
+        "lr": optimizer.get("lr", 1e-3),
+        "epochs": trainer.get("max_epochs"),
+        "learner": learner,
+        "buffer": overrides.get("buffer") or (manifest["buffer"] if manifest else "reservoir"),
+    }
+    current = {name: known.get(name) for name in space}
+    inside = all(
+        value in parameter.choices
+        if isinstance(parameter, search.Choice)
+        else checks.is_real(value) and parameter.low <= value <= parameter.high
+        for value, parameter in ((current[name], space[name]) for name in space)
+    )
+    return current if inside else None
+
+
 def _warm_start(
     study: Any, options: _UpdateOptions, manifest: Any, space: Mapping[str, Any], mode: str
 ) -> None:
     """Try the input state's best earlier configurations first (once per study)."""
     from renate_events import search
 
-    if manifest is None or search.SEARCH_FILE not in manifest["files"] or study.trials:
+    if manifest is None or search.SEARCH_FILE not in manifest["files"]:
         return
     path = os.path.join(options.input_state or "", search.SEARCH_FILE)
     with open(path, encoding="utf-8") as handle:

@@ -39,6 +39,7 @@ from trainer import validators
 
 __all__ = [
     "OPTIONS",
+    "PRUNERS",
     "Choice",
     "FloatRange",
     "IntRange",
@@ -215,15 +216,32 @@ def require_optuna() -> Any:
     return optuna
 
 
+PRUNERS = ("median", "none")
+"""``median``: stop a trial whose metric is worse than the median of earlier trials' at the same
+epoch (after two complete trials); ``none``: every trial runs to the end."""
+
+
 def create_study(
-    optuna: Any, *, mode: str, seed: int, storage: str | None, name: str | None
+    optuna: Any,
+    *,
+    mode: str,
+    seed: int,
+    storage: str | None,
+    name: str | None,
+    pruner: str = "median",
 ) -> Any:
-    """An Optuna study (TPE sampler seeded by ``seed``, median pruner), loaded from ``storage``
-    when it holds one of that name, so an interrupted search continues."""
+    """An Optuna study (TPE sampler seeded by ``seed``, a pruner of :data:`PRUNERS`), loaded from
+    ``storage`` when it holds one of that name, so an interrupted search continues."""
+    validators.check_one_of("create_study: pruner", pruner, PRUNERS)
+    chosen = (
+        optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+        if pruner == "median"
+        else optuna.pruners.NopPruner()
+    )
     return optuna.create_study(
         direction="minimize" if mode == "min" else "maximize",
         sampler=optuna.samplers.TPESampler(seed=seed),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+        pruner=chosen,
         storage=storage,
         study_name=name,
         load_if_exists=storage is not None,

@@ -80,3 +80,12 @@ def test_shift_detection_writes_its_page(tmp_path):
     for heading in ("## Calibration", "## Power", "## Cost"):
         assert heading in text
     assert "| class-proportion shift | 0.9 |" in text
+
+
+def test_search_benchmark_writes_its_page(tmp_path):
+    pytest.importorskip("optuna")
+    pytest.importorskip("sklearn")
+    page = tmp_path / "search.md"
+    _run("search.py", "--seeds", "0", "--trials", "1", "--markdown", str(page))
+    text = page.read_text(encoding="utf-8")
+    assert "| defaults |" in text and "| search, 1 trials, no pruner |" in text

@@ -130,6 +130,8 @@ def test_a_search_writes_the_best_trials_state_and_the_trials_table(files):
     assert _search(files, out, 5) == 0
     rows = _rows(out)
     assert len(rows) == 5 and {row["state"] for row in rows} <= {"COMPLETE", "PRUNED"}
+    # the first trial is what the update would have used without a search (the defaults)
+    assert (float(rows[0]["alpha"]), float(rows[0]["lr"])) == (1.0, 1e-3)
     complete = [row for row in rows if row["state"] == "COMPLETE"]
     best = min(complete, key=lambda row: float(row["value"]))
     record = read_manifest(out)["history"][-1]
