@@ -1650,9 +1650,10 @@ def _search_update(
         selection.update(metric="val_loss", mode=options.mode or "min")
     task_id = options.task_id if options.task_id is not None else chunk
     runner = _TrialRunner(options, config, manifest, overrides, hyper, chunk, selection, task_id)
+    current = _current_params(space, learner, manifest, overrides, hyper)
+    _try_every_value(runner, space, current)
     study = _study(optuna, options, selection["mode"])
     if not study.trials:  # the settings the update would have used, then earlier best ones
-        current = _current_params(space, learner, manifest, overrides, hyper)
         if current is not None:
             study.enqueue_trial(current)
         _warm_start(study, options, manifest, space, selection["mode"])
@@ -1707,6 +1708,23 @@ def _check_space(space: Mapping[str, Any], learner: str, manifest: Any) -> None:
                     check_value(candidate, name, value)
                 except HyperparameterError as exc:
                     raise UsageError(f"--search: {exc}") from None
+
+
+def _try_every_value(runner: Any, space: Mapping[str, Any], current: Any) -> None:
+    """Build (not train) an updater with every choice and both ends of every range, so that a
+    value the learner refuses is an error before the first trial."""
+    from renate_events import search
+
+    for name, parameter in space.items():
+        if isinstance(parameter, search.Choice):
+            values: tuple[Any, ...] = parameter.choices
+        else:
+            values = (parameter.low, parameter.high)
+        for value in values:
+            try:
+                runner.updater({**(current or {}), name: value})
+            except UsageError as exc:
+                raise UsageError(f"--search: {name} = {value!r} is refused: {exc}") from None
 
 
 def _check_option_ranges(space: Mapping[str, Any]) -> None:
@@ -1814,7 +1832,7 @@ class _TrialRunner:
     def trial(self, trial: Any, params: Mapping[str, Any], optuna: Any) -> float:
         from renate_events import search
 
-        updater = self._updater(params)
+        updater = self.updater(params)
         pruner = search.TrialPruner(trial, self.selection["metric"])
         trainer = updater.learner_instance.trainer
         with trainer.subscribed(pruner, name="_trial_pruner"):
@@ -1839,12 +1857,12 @@ class _TrialRunner:
         process ran it (an interrupted search, or another worker on the same storage)."""
         if best.number in self.kept:
             return self.kept[best.number]
-        updater = self._updater(best.params)
+        updater = self.updater(best.params)
         train, val = self.config.data(self.chunk, self.options.seed)
         updater.update(train, val, task_id=self.task_id, write=False)
         return updater
 
-    def _updater(self, params: Mapping[str, Any]) -> ModelUpdater:
+    def updater(self, params: Mapping[str, Any]) -> ModelUpdater:
         from renate_events import search
 
         overrides, hyper = dict(self.overrides), dict(self.hyper)

@@ -161,6 +161,7 @@ def test_an_interrupted_search_resumes_from_its_storage(files):
         ('alpha = {choices = ["x", 0.5]}\n', [], "--search: alpha must be a number, got 'x'"),
         ('learner = {choices = ["er", "gem"]}\n', [], "learner choice 'gem' is not one of"),
         ("epochs = {low = 0, high = 3}\n", [], "epochs must be a number >= 1 in every trial"),
+        ("alpha = {low = -1.0, high = 1.0}\n", [], "--search: alpha = -1.0 is refused: --alpha"),
         (
             "alpha = {low = 0.1, high = 1.0}\n",
             ["--search-storage", "sqlite:////no/such/folder/x.db"],
