@@ -175,3 +175,11 @@ def test_bad_searches_are_one_line_and_write_nothing(files, capsys, space, extra
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (files / "out").exists()
+
+
+def test_a_search_with_the_same_seed_repeats_exactly(files):
+    assert _search(files, files / "a", 3, "--search-pruner", "none") == 0
+    assert _search(files, files / "b", 3, "--search-pruner", "none") == 0
+    assert (files / "a" / "search.csv").read_text() == (files / "b" / "search.csv").read_text()
+    weights = [(files / name / "model.safetensors").read_bytes() for name in ("a", "b")]
+    assert weights[0] == weights[1]
