@@ -1,0 +1,90 @@
+"""Every example config file through the command line as a user runs it: `update` twice, in two
+processes, then `evaluate`; the same numbers as the same steps through the Python API."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import safetensors.torch
+import torch
+
+from renate_events import evaluation
+from renate_events.cli import _ChunkTask, _for_evaluation
+from renate_events.config import load_config
+from renate_events.updater import ModelUpdater, dataset_tensors, read_manifest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+SETTINGS = ["--learner", "er", "--memory-size", "40", "--memory-batch-size", "8"]
+SETTINGS += ["--batch-size", "16", "--epochs", "1", "--device", "cpu", "--no-progress"]
+
+
+def _cli(*args, env=None):
+    done = subprocess.run(
+        [sys.executable, "-m", "renate_events.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _python_api(config_path, env, chunks):
+    """The same two updates in this process; the model after them."""
+    old = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        config = load_config(config_path)
+        torch.manual_seed(0)
+        updater = ModelUpdater.from_config(
+            config,
+            learner="er",
+            learner_kwargs={"memory_size": 40, "memory_batch_size": 8, "batch_size": 16, "seed": 0},
+            trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+        )
+        for chunk in chunks:
+            updater.update(*config.data(chunk, 0), task_id=chunk)
+        tests = [config.test_data(chunk, 0) or config.data(chunk, 0)[1] for chunk in chunks]
+        return updater.model, config, tests
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_example(config_path, tmp_path, env=None):
+    """Two updates in two processes and an evaluation, compared with the Python API."""
+    env = env or {}
+    s0, s1 = tmp_path / "s0", tmp_path / "s1"
+    _cli("update", "--config-file", config_path, "--output-state", s0, *SETTINGS, env=env)
+    _cli("update", "--config-file", config_path, "--input-state", s0, "--output-state", s1,
+         "--no-progress", env=env)  # fmt: skip
+    printed = _cli("evaluate", "--config-file", config_path, "--state", s1, env=env)
+    model, config, tests = _python_api(config_path, env, (0, 1))
+    saved = safetensors.torch.load_file(str(s1 / "model.safetensors"))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
+    evaluated = _for_evaluation(model, config)  # with the config's test transform, if any
+    for chunk, test in enumerate(tests):
+        data = torch.utils.data.TensorDataset(*dataset_tensors(test, config.collate(), "test"))
+        accuracy = evaluation.evaluate(evaluated, [evaluation_task(chunk, data)])[0]
+        shown = re.search(rf"chunk {chunk}: accuracy ([0-9.]+)", printed).group(1)
+        assert shown == f"{accuracy:.4f}"
+    assert read_manifest(s1)["updates"] == 2
+
+
+def evaluation_task(chunk, data):
+    classes = tuple(sorted(set(data.tensors[1].tolist())))
+    return _ChunkTask(chunk, None, None, data, classes)
+
+
+def test_quick_config(tmp_path):
+    run_example(CONFIGS / "quick_config.py", tmp_path)
