@@ -8,6 +8,11 @@
 * :func:`load_cifar10`: the *binary version* of CIFAR-10 (``cifar-10-batches-bin/data_batch_1.bin``
   to ``data_batch_5.bin`` and ``test_batch.bin``; each record is one label byte followed by the
   3 072 bytes of a 32x32 image, channel by channel).
+* :func:`load_cifar100`: the binary version of CIFAR-100 (``cifar-100-binary/train.bin`` and
+  ``test.bin``; each record is a coarse label byte, a fine label byte and the 3 072 image bytes),
+  with the 100 fine or the 20 coarse labels.
+* :func:`load_image_folder`: a folder of PNG or JPEG images, one sub-folder per class (needs
+  Pillow, the ``images`` extra).
 
 The readers are written here with plain file reading (``struct`` and ``torch.frombuffer``):
 torchvision cannot be installed beside the torch build this project pins, and the "python version"
@@ -16,7 +21,9 @@ version is supported. Nothing here downloads: a missing file raises :class:`File
 naming the path that was expected and where to get the files. Headers and sizes are checked and a
 corrupt file raises :class:`ValueError` naming it.
 
-Inputs are ``float32`` in ``[0, 1]``; targets are ``int64``. :func:`load_digits` returns flat
+Inputs are ``float32`` in ``[0, 1]`` (the CIFAR readers keep the raw ``uint8`` bytes with
+``dtype=torch.uint8``, a quarter of the memory; :func:`load_image_folder` always does); targets
+are ``int64``. :func:`load_digits` returns flat
 ``(N, 64)`` inputs by default (the data set is distributed as 64 features); the image readers
 return ``(N, C, H, W)`` images by default. Every loader takes ``flatten`` to choose, and
 :func:`reshape_inputs` converts afterwards.
@@ -37,6 +44,7 @@ import pathlib
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
@@ -44,9 +52,12 @@ from torch.utils.data import TensorDataset
 from trainer import validators
 
 __all__ = [
+    "ImageFolderDataset",
     "load_cifar10",
+    "load_cifar100",
     "load_digits",
     "load_fashion_mnist",
+    "load_image_folder",
     "load_mnist",
     "reshape_inputs",
 ]
@@ -58,8 +69,15 @@ _FASHION_URL = "https://github.com/zalandoresearch/fashion-mnist (folder data/fa
 _CIFAR_URL = (
     "https://www.cs.toronto.edu/~kriz/cifar.html: take the 'CIFAR-10 binary version (suitable for "
     "C programs)', cifar-10-binary.tar.gz, and extract it with `tar xzf cifar-10-binary.tar.gz "
-    "-C ROOT`"
+    "-C ROOT` (ROOT/cifar-10-batches-bin/data_batch_1.bin ... data_batch_5.bin, test_batch.bin)"
 )
+_CIFAR100_URL = (
+    "https://www.cs.toronto.edu/~kriz/cifar.html: take the 'CIFAR-100 binary version (suitable "
+    "for C programs)', cifar-100-binary.tar.gz, and extract it with `tar xzf "
+    "cifar-100-binary.tar.gz -C ROOT` (ROOT/cifar-100-binary/train.bin, test.bin)"
+)
+_PILLOW_HINT = "install Pillow with `pip install renate-events[images]` (or `pip install Pillow`)"
+_IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
 _IDX_UINT8 = 0x08
 _MNIST_SHAPE = (28, 28)
@@ -67,6 +85,9 @@ _MNIST_CLASSES = 10
 _CIFAR_SHAPE = (3, 32, 32)
 _CIFAR_RECORD = 1 + 3 * 32 * 32
 _CIFAR_CLASSES = 10
+_CIFAR100_RECORD = 2 + 3 * 32 * 32
+_CIFAR100_CLASSES = {"coarse": 20, "fine": 100}  # label byte 0 is coarse, byte 1 fine
+_INPUT_DTYPES = (torch.float32, torch.uint8)
 _DIGITS_COLUMNS = 65
 _DIGITS_MAX = 16
 
@@ -178,7 +199,11 @@ def load_fashion_mnist(
 
 
 def load_cifar10(
-    root: str | os.PathLike[str], *, train: bool = True, flatten: bool = False
+    root: str | os.PathLike[str],
+    *,
+    train: bool = True,
+    flatten: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> TensorDataset:
     """Reads CIFAR-10 from the official binary version in a local folder (never downloads).
 
@@ -191,13 +216,17 @@ def load_cifar10(
         root: Folder holding ``cifar-10-batches-bin`` (or the ``.bin`` files themselves).
         train: ``True`` for the 50 000 training images, ``False`` for the 10 000 test images.
         flatten: ``False`` for inputs of shape ``(N, 3, 32, 32)``, ``True`` for ``(N, 3072)``.
+        dtype: ``torch.float32`` (default) for inputs in ``[0, 1]``; ``torch.uint8`` for the
+            raw bytes ``0..255`` (convert them per batch later, in a transform).
 
     Returns:
-        ``TensorDataset(inputs, targets)``: ``float32`` inputs in ``[0, 1]``, ``int64`` targets.
+        ``TensorDataset(inputs, targets)``: inputs of ``dtype``, ``int64`` targets.
 
     Raises:
-        FileNotFoundError: ``root`` or one of the files is missing.
-        ValueError: A file is empty, not a whole number of records, or has a label above 9.
+        FileNotFoundError: ``root`` or one of the files is missing (the message says where to
+            get the files and how to lay them out).
+        ValueError: A file is empty, not a whole number of records, or has a label above 9;
+            ``dtype`` is neither ``torch.float32`` nor ``torch.uint8``.
 
     Example:
         >>> from renate_events.datasets import load_cifar10
@@ -207,7 +236,8 @@ def load_cifar10(
     """
     _check_flag("train", train)
     _check_flag("flatten", flatten)
-    folder = _root_dir(root, "load_cifar10")
+    _check_dtype("load_cifar10", dtype)
+    folder = _root_dir(root, "load_cifar10", _CIFAR_URL)
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] if train else ["test_batch.bin"]
     candidates = [folder / "cifar-10-batches-bin", folder]
     images, labels = [], []
@@ -216,8 +246,66 @@ def load_cifar10(
         batch_images, batch_labels = _read_cifar_file(path)
         images.append(batch_images)
         labels.append(batch_labels)
-    inputs = _to_float(torch.cat(images), flatten)
+    inputs = _convert_images(torch.cat(images), flatten, dtype)
     return TensorDataset(inputs, torch.cat(labels))
+
+
+def load_cifar100(
+    root: str | os.PathLike[str],
+    *,
+    train: bool = True,
+    labels: str = "fine",
+    flatten: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> TensorDataset:
+    """Reads CIFAR-100 from the official binary version in a local folder (never downloads).
+
+    The files ``train.bin`` (50 000 images) and ``test.bin`` (10 000) are looked for in
+    ``root/cifar-100-binary`` (where the archive extracts to) and in ``root`` itself. Each record
+    is the coarse label byte (20 superclasses), the fine label byte (100 classes) and 3 072 image
+    bytes laid out as in CIFAR-10.
+
+    Args:
+        root: Folder holding ``cifar-100-binary`` (or the ``.bin`` files themselves).
+        train: ``True`` for ``train.bin``, ``False`` for ``test.bin``.
+        labels: ``"fine"`` (default) for the 100 classes, ``"coarse"`` for the 20 superclasses.
+        flatten: ``False`` for inputs of shape ``(N, 3, 32, 32)``, ``True`` for ``(N, 3072)``.
+        dtype: ``torch.float32`` (default) for inputs in ``[0, 1]``; ``torch.uint8`` for the
+            raw bytes.
+
+    Returns:
+        ``TensorDataset(inputs, targets)``: inputs of ``dtype``, ``int64`` targets.
+
+    Raises:
+        FileNotFoundError: ``root`` or the file is missing.
+        ValueError: The file is empty, not a whole number of 3 074-byte records, or has a fine
+            label above 99 or a coarse label above 19; a bad ``labels`` or ``dtype``.
+
+    Example:
+        >>> from renate_events.datasets import load_cifar100
+        >>> train = load_cifar100("data", labels="coarse")  # doctest: +SKIP
+        >>> int(train.tensors[1].max())  # doctest: +SKIP
+        19
+    """
+    _check_flag("train", train)
+    _check_flag("flatten", flatten)
+    _check_dtype("load_cifar100", dtype)
+    validators.check_one_of("load_cifar100: labels", labels, tuple(_CIFAR100_CLASSES))
+    folder = _root_dir(root, "load_cifar100", _CIFAR100_URL)
+    name = "train.bin" if train else "test.bin"
+    candidates = [folder / "cifar-100-binary", folder]
+    path = _find_file(candidates, name, "CIFAR-100", _CIFAR100_URL, allow_gz=False)
+    records = _read_records(path, _CIFAR100_RECORD, "CIFAR-100", "2 label bytes + 3072 image bytes")
+    for column, (kind, classes) in enumerate(_CIFAR100_CLASSES.items()):
+        largest = int(records[:, column].max())
+        if largest >= classes:
+            raise ValueError(
+                f"{path}: {kind} labels (byte {column} of each record) must lie in "
+                f"0..{classes - 1}, found {largest}; is this CIFAR-10 or a corrupt file?"
+            )
+    targets = records[:, list(_CIFAR100_CLASSES).index(labels)].to(torch.int64)
+    images = records[:, 2:].reshape(-1, *_CIFAR_SHAPE)
+    return TensorDataset(_convert_images(images, flatten, dtype), targets)
 
 
 def reshape_inputs(dataset: TensorDataset, shape: Sequence[int]) -> TensorDataset:
@@ -399,15 +487,19 @@ def _read_idx(path: pathlib.Path, ndim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_cifar_file(path: pathlib.Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_records(path: pathlib.Path, size: int, dataset: str, layout: str) -> torch.Tensor:
+    """The whole file as a ``(records, size)`` uint8 tensor, read at once."""
     data = _read_bytes(path)
-    if not data or len(data) % _CIFAR_RECORD:
+    if not data or len(data) % size:
         raise ValueError(
-            f"{path}: {len(data)} bytes is not a positive multiple of the CIFAR-10 record size "
-            f"{_CIFAR_RECORD} (1 label byte + 3072 image bytes); the file is truncated or not "
-            "from the binary version"
+            f"{path}: {len(data)} bytes is not a positive multiple of the {dataset} record size "
+            f"{size} ({layout}); the file is truncated or not from the binary version"
         )
-    records = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(-1, _CIFAR_RECORD)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(-1, size)
+
+
+def _read_cifar_file(path: pathlib.Path) -> tuple[torch.Tensor, torch.Tensor]:
+    records = _read_records(path, _CIFAR_RECORD, "CIFAR-10", "1 label byte + 3072 image bytes")
     labels = records[:, 0].to(torch.int64)
     if int(labels.max()) >= _CIFAR_CLASSES:
         raise ValueError(
@@ -418,18 +510,178 @@ def _read_cifar_file(path: pathlib.Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------------------
+# Image folders (Pillow)
+# --------------------------------------------------------------------------------------------
+
+
+class ImageFolderDataset(TensorDataset):
+    """``TensorDataset(images, targets)`` read by :func:`load_image_folder`, with the class names.
+
+    Attributes:
+        classes: The class (sub-folder) names, sorted; target ``i`` is ``classes[i]``.
+        files: The file of each sample, in order.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        classes: Sequence[str],
+        files: Sequence[pathlib.Path],
+    ) -> None:
+        super().__init__(images, targets)
+        self.classes = tuple(classes)
+        self.files = tuple(files)
+
+
+def _import_pillow() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            f"load_image_folder reads PNG and JPEG files with Pillow: {_PILLOW_HINT}"
+        ) from exc
+    return Image
+
+
+def _check_size(size: object) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    if validators.is_int(size):
+        size = (size, size)
+    ok = (
+        isinstance(size, (tuple, list))
+        and len(size) == 2
+        and all(validators.is_int(v) and 1 <= v <= 2**15 for v in size)
+    )
+    if not ok:
+        raise ValueError(
+            f"load_image_folder: size must be None, an int or (height, width) of ints in "
+            f"[1, 32768], got {size!r}"
+        )
+    return (int(size[0]), int(size[1]))
+
+
+def _image_files(folder: pathlib.Path) -> tuple[list[str], list[pathlib.Path], list[int]]:
+    classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+    if not classes:
+        raise FileNotFoundError(
+            f"load_image_folder: {str(folder)!r} has no sub-folders; lay the images out as "
+            "ROOT/<class name>/<image>.png (or .jpg), one sub-folder per class"
+        )
+    files, targets = [], []
+    for index, name in enumerate(classes):
+        found = sorted(
+            path
+            for path in (folder / name).iterdir()
+            if path.is_file() and path.suffix.lower() in _IMAGE_EXTENSIONS
+        )
+        if not found:
+            raise FileNotFoundError(
+                f"load_image_folder: class folder {str(folder / name)!r} holds no "
+                f"{'/'.join(_IMAGE_EXTENSIONS)} files; remove it or add images"
+            )
+        files += found
+        targets += [index] * len(found)
+    return classes, files, targets
+
+
+def _read_image(
+    image_module: Any, path: pathlib.Path, mode: str | None, size: tuple[int, int] | None
+) -> torch.Tensor:
+    """One image as a ``(H, W, C)`` uint8 tensor (from Pillow's raw bytes, no NumPy needed)."""
+    try:
+        with image_module.open(path) as image:
+            if mode is not None and image.mode != mode:
+                image = image.convert(mode)
+            if size is not None and image.size != (size[1], size[0]):
+                image = image.resize((size[1], size[0]), image_module.Resampling.BILINEAR)
+            if image.mode not in ("L", "LA", "RGB", "RGBA", "CMYK", "P"):
+                raise ValueError(f"mode {image.mode!r} is not 8 bits per channel; pass mode='RGB'")
+            channels = len(image.getbands())
+            data = bytearray(image.tobytes())
+            width, height = image.size
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"{path}: cannot read this image ({exc})") from exc
+    return torch.frombuffer(data, dtype=torch.uint8).reshape(height, width, channels)
+
+
+def load_image_folder(
+    root: str | os.PathLike[str],
+    *,
+    size: int | tuple[int, int] | None = None,
+    mode: str | None = "RGB",
+) -> ImageFolderDataset:
+    """Reads ``root/<class name>/*.png`` (or ``.jpg``, ``.jpeg``): one sub-folder per class.
+
+    Classes are the sub-folder names in sorted order (target ``i`` is ``classes[i]``, as in
+    torchvision's ``ImageFolder``); within a class, files are read in sorted order. Needs Pillow
+    (``pip install renate-events[images]``).
+
+    Args:
+        root: The folder of class folders.
+        size: ``None`` (default): every image must have the shape of the first one; an int or
+            ``(height, width)``: every image is resized to it (bilinear).
+        mode: The Pillow mode every image is converted to: ``"RGB"`` (default, 3 channels),
+            ``"L"`` (grey, 1 channel), ``"RGBA"``, or ``None`` to keep each file's own (then all
+            must have the same number of channels).
+
+    Returns:
+        :class:`ImageFolderDataset`: ``uint8`` images ``(N, C, H, W)``, ``int64`` targets, and
+        ``classes`` and ``files``.
+
+    Raises:
+        ImportError: Pillow is not installed.
+        FileNotFoundError: ``root`` is missing, has no class folders, or a class folder holds no
+            image.
+        ValueError: An image cannot be read, or (without ``size``) has another shape than the
+            first one (the message names both files); a bad ``size``.
+
+    Example:
+        >>> from renate_events.datasets import load_image_folder
+        >>> data = load_image_folder("data/flowers", size=64)  # doctest: +SKIP
+        >>> data.tensors[0].shape[1:], data.classes[:2]  # doctest: +SKIP
+        (torch.Size([3, 64, 64]), ('daisy', 'rose'))
+    """
+    image_module = _import_pillow()
+    target_size = _check_size(size)
+    if mode is not None and not isinstance(mode, str):
+        raise validators.WrongTypeError(
+            f"load_image_folder: mode must be a Pillow mode string such as 'RGB' or None, "
+            f"got {mode!r}"
+        )
+    folder = _root_dir(root, "load_image_folder", "your own files laid out as ROOT/<class>/*.png")
+    classes, files, targets = _image_files(folder)
+    arrays = []
+    for path in files:
+        array = _read_image(image_module, path, mode, target_size)
+        if arrays and array.shape != arrays[0].shape:
+            height, width, channels = array.shape
+            first = arrays[0].shape
+            raise ValueError(
+                f"{path}: image of {height}x{width} pixels with {channels} channels, but "
+                f"{files[0]} has {first[0]}x{first[1]} with {first[2]}; pass size=(height, "
+                "width) to resize every image, or mode='RGB' for one channel count"
+            )
+        arrays.append(array)
+    images = torch.stack(arrays).permute(0, 3, 1, 2).contiguous()
+    return ImageFolderDataset(images, torch.tensor(targets, dtype=torch.int64), classes, files)
+
+
+# --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
 
 
-def _root_dir(root: str | os.PathLike[str], caller: str) -> pathlib.Path:
+def _root_dir(root: str | os.PathLike[str], caller: str, source: str = "") -> pathlib.Path:
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"{caller}: root must be a path (str or os.PathLike), got {root!r}")
     folder = pathlib.Path(root)
     if not folder.is_dir():
+        where = f" (get them from {source})" if source else ""
         raise FileNotFoundError(
             f"{caller}: root folder {str(folder)!r} does not exist or is not a folder; nothing "
-            "is downloaded, so put the data files there first"
+            f"is downloaded, so put the data files there first{where}"
         )
     return folder
 
@@ -466,6 +718,24 @@ def _read_bytes(path: pathlib.Path) -> bytes:
 def _to_float(images: torch.Tensor, flatten: bool) -> torch.Tensor:
     inputs = images.to(torch.float32).div_(255.0)
     return inputs.reshape(inputs.shape[0], -1) if flatten else inputs
+
+
+def _convert_images(images: torch.Tensor, flatten: bool, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return _to_float(images, flatten)
+    return images.reshape(images.shape[0], -1) if flatten else images
+
+
+def _check_dtype(caller: str, dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise validators.WrongTypeError(
+            f"{caller}: dtype must be a torch.dtype (torch.float32 or torch.uint8), got {dtype!r}"
+        )
+    if dtype not in _INPUT_DTYPES:
+        raise ValueError(
+            f"{caller}: dtype must be torch.float32 (inputs in [0, 1]) or torch.uint8 (raw "
+            f"bytes), got {dtype}"
+        )
 
 
 def _check_flag(name: str, value: object) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -48,10 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from renate_events.datasets import load_digits
+from renate_events.datasets import load_cifar10, load_cifar100, load_digits
 from trainer import validators
 
 __all__ = [
+    "IMAGE_SCENARIOS",
     "SCENARIOS",
     "ClassIncrementalScenario",
     "DataIncrementalScenario",
@@ -64,6 +66,8 @@ __all__ = [
     "permuted_digits",
     "rotate_images",
     "rotated_digits",
+    "seq_cifar10",
+    "seq_cifar100",
     "split_digits",
 ]
 
@@ -1200,3 +1204,73 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
 }
 """Named scenarios on the bundled digits, for the command line; build one with
 ``SCENARIOS[name](seed=0)``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Seq-CIFAR: class-incremental CIFAR from local binary files
+# --------------------------------------------------------------------------------------------
+
+
+def _consecutive_groups(num_classes: int, per_task: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(range(c, c + per_task)) for c in range(0, num_classes, per_task))
+
+
+def seq_cifar10(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
+    """Seq-CIFAR-10: five class-incremental tasks {0, 1}, {2, 3}, ..., {8, 9} on CIFAR-10.
+
+    The setting of the DER paper (Buzzega et al., "Dark Experience for General Continual
+    Learning: a Strong, Simple Baseline", NeurIPS 2020): the labels in their natural order, two
+    per task; each task trains on the 10 000 training images of its classes and is tested on the
+    2 000 test images of the same classes (the official test batch, no split of the training set).
+
+    Args:
+        path: The folder of the CIFAR-10 binary version (``cifar-10-batches-bin`` or the folder
+            above it), read by :func:`renate_events.datasets.load_cifar10`; nothing is downloaded.
+        seed: The scenario's seed (the split is fixed by the files, so it changes nothing here; it
+            is kept for the same call as the other scenarios).
+
+    Returns:
+        A :class:`ClassIncrementalScenario` of ``uint8`` images ``(N, 3, 32, 32)`` (convert them to
+        float per batch, in a transform or in the config file's ``data_fn``).
+
+    Example:
+        >>> tasks = seq_cifar10("data/cifar10").tasks()  # doctest: +SKIP
+        >>> [task.classes for task in tasks]  # doctest: +SKIP
+        [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+    """
+    train = load_cifar10(path, dtype=torch.uint8)
+    test = load_cifar10(path, train=False, dtype=torch.uint8)
+    return ClassIncrementalScenario(
+        train, class_groups=_consecutive_groups(10, 2), test_dataset=test, seed=seed
+    )
+
+
+def seq_cifar100(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
+    """Seq-CIFAR-100: ten class-incremental tasks of ten fine classes, {0..9}, {10..19}, ...
+
+    The common Seq-CIFAR-100 setting (the 10-task split of the DER authors' follow-up, X-DER,
+    Boschini et al., "Class-Incremental Continual Learning into the eXtended DER-verse", TPAMI
+    2022): the 100 fine labels in their natural order, ten per task, each tested on the official
+    test images of its classes.
+
+    Args:
+        path: The folder of the CIFAR-100 binary version (``cifar-100-binary`` or the folder above
+            it), read by :func:`renate_events.datasets.load_cifar100`; nothing is downloaded.
+        seed: The scenario's seed (see :func:`seq_cifar10`).
+
+    Returns:
+        A :class:`ClassIncrementalScenario` of ``uint8`` images ``(N, 3, 32, 32)``.
+    """
+    train = load_cifar100(path, dtype=torch.uint8)
+    test = load_cifar100(path, train=False, dtype=torch.uint8)
+    return ClassIncrementalScenario(
+        train, class_groups=_consecutive_groups(100, 10), test_dataset=test, seed=seed
+    )
+
+
+IMAGE_SCENARIOS: dict[str, Callable[..., Scenario]] = {
+    "seq-cifar10": seq_cifar10,
+    "seq-cifar100": seq_cifar100,
+}
+"""Named scenarios on image data sets in local files; build one with
+``IMAGE_SCENARIOS[name](path, seed=0)`` (not in :data:`SCENARIOS`, whose entries take no path)."""
