@@ -16,6 +16,10 @@ distillation and feature recording use (pass them as a learner's ``feature_modul
 * :func:`vit`: a small Vision Transformer (Dosovitskiy et al., "An Image is Worth 16x16 Words",
   ICLR 2021) for small images.
 
+:class:`MultiHeadClassificationModel` turns any of them into a task-incremental model: one shared
+backbone and one linear head per task id, added with ``add_task_params(task_id, num_outputs)`` as
+in Renate's ``RenateModule``. The single-head :class:`ClassificationModel` stays the default.
+
 Example:
     >>> import torch
     >>> model = build_model("resnet18", num_classes=10, nf=20)
@@ -28,15 +32,26 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.validators import check_int
+from trainer.validators import WrongTypeError, check_int
+from trainer.validators import is_int as validators_is_int
 
-__all__ = ["MODELS", "ClassificationModel", "build_model", "mlp", "resnet18", "resnet32", "vit"]
+__all__ = [
+    "MODELS",
+    "ClassificationModel",
+    "MultiHeadClassificationModel",
+    "build_model",
+    "mlp",
+    "resnet18",
+    "resnet32",
+    "vit",
+]
 
 
 class ClassificationModel(nn.Module):
@@ -69,6 +84,171 @@ class ClassificationModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(inputs))
+
+
+_HEAD_KEY = re.compile(r"^heads\.(0|[1-9][0-9]{0,8})\.(weight|bias)$")
+
+
+class MultiHeadClassificationModel(nn.Module):
+    """A shared backbone and one linear head per task: ``heads[str(task_id)](backbone(x))``.
+
+    Heads are added by task id with :meth:`add_task_params` (Renate's ``add_task_params``) and
+    live in the ``nn.ModuleDict`` ``heads``, so a state dict names them predictably:
+    ``heads.<task_id>.weight`` (``(num_outputs, in_features)``) and ``heads.<task_id>.bias``.
+    Training one head leaves the others untouched (they get no gradient).
+
+    How the task id reaches the model:
+
+    * ``model(x, task_id=2)``: every sample through head 2;
+    * ``model(x, task_id=ids)`` with an ``int64`` tensor of one id per sample: each sample through
+      its own head (the heads must have the same number of outputs; the ids present are read on
+      the host, one synchronisation per call);
+    * ``model(x)``: the head of :attr:`current_task_id`, set with :meth:`set_task` (for a learner
+      or evaluator that calls ``model(inputs)`` without a task id).
+
+    An id without a head raises ``ValueError`` naming the ids that have one.
+
+    Args:
+        backbone: Inputs to a feature vector of ``in_features`` per sample.
+        in_features: Features per sample, the inputs of every head.
+        feature_module_names: Submodules (dotted names) worth distilling or recording.
+        architecture: A short description (recorded in state folders' ``model.json``).
+
+    Example:
+        >>> import torch
+        >>> model = MultiHeadClassificationModel.from_model(mlp(4, num_classes=2, hidden=[8]))
+        >>> model.add_task_params(0, 2); model.add_task_params(1, 3)
+        >>> model(torch.zeros(5, 4), task_id=1).shape
+        torch.Size([5, 3])
+        >>> sorted(k for k in model.state_dict() if k.startswith("heads."))
+        ['heads.0.bias', 'heads.0.weight', 'heads.1.bias', 'heads.1.weight']
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        in_features: int,
+        feature_module_names: Sequence[str] = (),
+        architecture: str = "multi-head",
+    ) -> None:
+        super().__init__()
+        check_int("MultiHeadClassificationModel.in_features", in_features, 1)
+        self.backbone = backbone
+        self.heads = nn.ModuleDict()
+        self.in_features = in_features
+        self.feature_module_names = tuple(feature_module_names)
+        self.architecture = architecture
+        self.current_task_id: int | None = None
+
+    @classmethod
+    def from_model(cls, model: ClassificationModel) -> MultiHeadClassificationModel:
+        """The backbone of a zoo model (shared, not copied) with no heads yet; its single
+        ``head`` must be an ``nn.Linear`` and is dropped."""
+        if not isinstance(model, ClassificationModel) or not isinstance(model.head, nn.Linear):
+            raise WrongTypeError(
+                "MultiHeadClassificationModel.from_model needs a ClassificationModel with a "
+                f"linear head (from the zoo), got {type(model).__name__}"
+            )
+        return cls(
+            model.backbone,
+            model.head.in_features,
+            model.feature_module_names,
+            f"multi-head {model.architecture}",
+        )
+
+    @property
+    def task_ids(self) -> tuple[int, ...]:
+        """The task ids that have a head, sorted."""
+        return tuple(sorted(int(key) for key in self.heads))
+
+    def add_task_params(self, task_id: int, num_outputs: int) -> None:
+        """Add a fresh linear head for ``task_id`` with ``num_outputs`` logits (a no-op if the
+        task already has a head of that size); its device and dtype follow the backbone's."""
+        check_int("MultiHeadClassificationModel.task_id", task_id, 0, 10**9)
+        check_int("MultiHeadClassificationModel.num_outputs", num_outputs, 1)
+        key = str(task_id)
+        if key in self.heads:
+            existing = self.heads[key].out_features
+            if existing != num_outputs:
+                raise ValueError(
+                    f"MultiHeadClassificationModel: task {task_id} already has a head of "
+                    f"{existing} outputs, got num_outputs={num_outputs}"
+                )
+            return
+        head = nn.Linear(self.in_features, num_outputs)
+        reference = next(self.backbone.parameters(), None)
+        if reference is not None:
+            head = head.to(device=reference.device, dtype=reference.dtype)
+        self.heads[key] = head
+
+    def set_task(self, task_id: int | None) -> None:
+        """The head ``model(x)`` uses without a ``task_id`` (None: refuse such calls)."""
+        if task_id is not None:
+            self._head(task_id)
+        self.current_task_id = task_id
+
+    def _head(self, task_id: Any) -> nn.Module:
+        if not validators_is_int(task_id) or str(task_id) not in self.heads:
+            raise ValueError(
+                f"MultiHeadClassificationModel: task id {task_id!r} has no head; heads exist for "
+                f"task ids {list(self.task_ids)} (add one with add_task_params({task_id!r}, "
+                "num_outputs))"
+            )
+        return self.heads[str(task_id)]
+
+    def forward(
+        self, inputs: torch.Tensor, task_id: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if task_id is None:
+            if self.current_task_id is None:
+                raise ValueError(
+                    "MultiHeadClassificationModel: no task id; call model(x, task_id=...) or "
+                    "model.set_task(task_id) first"
+                )
+            task_id = self.current_task_id
+        features = self.backbone(inputs)
+        if not isinstance(task_id, torch.Tensor):
+            return self._head(task_id)(features)
+        return self._per_sample(features, task_id)
+
+    def _per_sample(self, features: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+        if task_ids.shape != (len(features),) or task_ids.dtype.is_floating_point:
+            raise ValueError(
+                "MultiHeadClassificationModel: a task_id tensor must hold one integer id per "
+                f"sample, shape ({len(features)},), got shape {tuple(task_ids.shape)} and dtype "
+                f"{task_ids.dtype}"
+            )
+        present = torch.unique(task_ids).tolist()
+        heads = {t: self._head(t) for t in present}
+        sizes = {head.out_features for head in heads.values()}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"MultiHeadClassificationModel: the heads of tasks {present} have different "
+                f"numbers of outputs {sorted(sizes)}; call the model once per task id instead"
+            )
+        outputs = features.new_empty(len(features), sizes.pop() if sizes else 0)
+        for t, head in heads.items():
+            mask = task_ids == t
+            outputs[mask] = head(features[mask])
+        return outputs
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load ``state_dict``, first adding the heads it holds (``heads.<id>.weight`` of shape
+        ``(num_outputs, in_features)``) that this model lacks: a fresh model loads a saved one."""
+        for key, value in state_dict.items():
+            match = _HEAD_KEY.match(key)
+            if match is None or match.group(2) != "weight" or match.group(1) in self.heads:
+                continue
+            shape = tuple(getattr(value, "shape", ()))
+            if len(shape) != 2 or shape[1] != self.in_features or shape[0] < 1:
+                raise ValueError(
+                    f"MultiHeadClassificationModel: {key} must have shape (num_outputs, "
+                    f"{self.in_features}), got {shape}"
+                )
+            self.add_task_params(int(match.group(1)), shape[0])
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def mlp(inputs: int, num_classes: int, hidden: Sequence[int] = (256,)) -> ClassificationModel:
