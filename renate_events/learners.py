@@ -22,7 +22,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from renate_events.components import (
     Component,
+    ElasticWeightConsolidationComponent,
     IntermediateRepresentations,
+    LearningWithoutForgettingComponent,
     ShrinkAndPerturbReinitializationComponent,
     WeightedCLSLossComponent,
     WeightedCustomLossComponent,
@@ -37,9 +39,11 @@ __all__ = [
     "BaseExperienceReplayLearner",
     "CLSExperienceReplayLearner",
     "DarkExperienceReplayLearner",
+    "ElasticWeightConsolidationLearner",
     "ExperienceReplayLearner",
     "FineTuningLearner",
     "JointLearner",
+    "LearningWithoutForgettingLearner",
     "PooledOutputDistillationExperienceReplayLearner",
     "SuperExperienceReplayLearner",
     "forward",
@@ -202,7 +206,9 @@ class BaseExperienceReplayLearner:
        stored logits of the sampled slots move towards the current ones
        (``gamma * stored + (1 - gamma) * current``);
     3. with ``loss_normalization`` the total is divided by ``loss_weight`` plus the weights of the
-       components (only while memory is used);
+       components (only while memory is used); then each component's
+       :meth:`~renate_events.components.Component.new_data_loss` on the new batch is added (a
+       hook for memory-free methods, EWC and LwF; ``None`` by default);
     4. after the optimizer step (the trainer's ``batch_end``) the buffer is updated with the batch,
        its unmasked logits and its intermediate representations, then the components'
        ``on_train_batch_end`` run.
@@ -532,6 +538,10 @@ class BaseExperienceReplayLearner:
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:
             loss = self._memory_losses(net, loss, passes)
+        for component in self.components.values():  # memory-free terms (EWC, LwF, ...)
+            extra = component.new_data_loss(outputs, (inputs, targets), features)
+            if extra is not None:
+                loss = loss + extra
         return {
             "loss": loss,
             "logits": outputs.detach(),
@@ -1091,3 +1101,63 @@ class _LiveShuffle(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(torch.randperm(len(self.data)).tolist())
+
+
+@attrs.define(eq=False)
+class ElasticWeightConsolidationLearner(BaseExperienceReplayLearner):
+    """EWC: fine-tuning plus a Fisher-weighted quadratic penalty towards earlier parameters.
+
+    Kirkpatrick et al., "Overcoming catastrophic forgetting in neural networks", PNAS 2017;
+    ``ewc_mode="online"`` with ``decay_factor`` is online EWC (Schwarz et al., "Progress &
+    Compress", ICML 2018). Renate's default ``ewc_lambda = 0.4``; Avalanche's ``mode =
+    "separate"``. The component is ``ewc``
+    (:class:`~renate_events.components.ElasticWeightConsolidationComponent`); no memory by
+    default.
+    """
+
+    memory_size: int = attrs.field(default=0, validator=validators.int_at_least(0))
+    ewc_lambda: float = attrs.field(
+        default=0.4, kw_only=True, validator=validators.real_in_range(0)
+    )
+    ewc_mode: str = attrs.field(
+        default="separate", kw_only=True, validator=validators.one_of("separate", "online")
+    )
+    decay_factor: float | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=validators.real_in_range(0, 1, low_open=True, optional=True),
+    )
+
+    def default_components(self) -> dict[str, Component]:
+        return {
+            "ewc": ElasticWeightConsolidationComponent(
+                ewc_lambda=self.ewc_lambda,
+                mode=self.ewc_mode,
+                decay_factor=self.decay_factor,
+                loss_fn=self.loss_fn,
+            )
+        }
+
+
+@attrs.define(eq=False)
+class LearningWithoutForgettingLearner(BaseExperienceReplayLearner):
+    """LwF: fine-tuning plus distillation of the previous model's outputs on the new data.
+
+    Li and Hoiem, "Learning without Forgetting", ECCV 2016. Renate's defaults ``alpha = 1``,
+    ``temperature = 2``. The component is ``lwf``
+    (:class:`~renate_events.components.LearningWithoutForgettingComponent`); no memory by
+    default.
+    """
+
+    memory_size: int = attrs.field(default=0, validator=validators.int_at_least(0))
+    alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
+    temperature: float = attrs.field(
+        default=2.0, kw_only=True, validator=validators.real_in_range(0, low_open=True)
+    )
+
+    def default_components(self) -> dict[str, Component]:
+        return {
+            "lwf": LearningWithoutForgettingComponent(
+                alpha=self.alpha, temperature=self.temperature
+            )
+        }

@@ -68,9 +68,11 @@ from renate_events.learners import (
     BaseExperienceReplayLearner,
     CLSExperienceReplayLearner,
     DarkExperienceReplayLearner,
+    ElasticWeightConsolidationLearner,
     ExperienceReplayLearner,
     FineTuningLearner,
     JointLearner,
+    LearningWithoutForgettingLearner,
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
     forward,
@@ -120,6 +122,8 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "cls-er": CLSExperienceReplayLearner,
     "super-er": SuperExperienceReplayLearner,
     "joint": JointLearner,
+    "ewc": ElasticWeightConsolidationLearner,
+    "lwf": LearningWithoutForgettingLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from renate_events.components.cls import WeightedCLSLossComponent
 from renate_events.components.component import BatchMemory, Component, Inputs
+from renate_events.components.ewc import (
+    EWC_MODES,
+    ElasticWeightConsolidationComponent,
+    empirical_fisher,
+)
 from renate_events.components.features import (
     IntermediateRepresentations,
     copy_without_hooks,
@@ -28,6 +33,7 @@ from renate_events.components.losses import (
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
 )
+from renate_events.components.lwf import LearningWithoutForgettingComponent, distillation_loss
 from renate_events.components.reinitialization import (
     ReinitializationComponent,
     ShrinkAndPerturbReinitializationComponent,
@@ -35,10 +41,13 @@ from renate_events.components.reinitialization import (
 
 __all__ = [
     "DISTILLATION_TYPES",
+    "EWC_MODES",
     "BatchMemory",
     "Component",
+    "ElasticWeightConsolidationComponent",
     "Inputs",
     "IntermediateRepresentations",
+    "LearningWithoutForgettingComponent",
     "ReinitializationComponent",
     "ShrinkAndPerturbReinitializationComponent",
     "WeightedCLSLossComponent",
@@ -47,5 +56,7 @@ __all__ = [
     "WeightedMeanSquaredErrorLossComponent",
     "WeightedPooledOutputDistillationLossComponent",
     "copy_without_hooks",
+    "distillation_loss",
+    "empirical_fisher",
     "record_intermediate_representations",
 ]

@@ -87,6 +87,25 @@ class Component(abc.ABC):  # noqa: B024 - abstract by intent; every hook is opti
         """
         return outputs_memory.new_zeros(())
 
+    def new_data_loss(
+        self,
+        outputs: torch.Tensor,
+        batch: tuple[Any, torch.Tensor],
+        intermediate_representations: list[torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        """Returns this component's loss on the step's batch of new data, or ``None`` for none.
+
+        Called on every training step, memory or not, after the new-data loss (components that
+        need no memory, such as EWC and LwF, add their terms here). The term is added as it is:
+        it takes no part in ``loss_normalization``, which divides by the memory losses' weights.
+
+        Args:
+            outputs: The current model's logits for the new inputs (unmasked).
+            batch: ``(inputs, targets)`` of the new data.
+            intermediate_representations: The recorded features of the new inputs (may be empty).
+        """
+        return None
+
     def on_train_start(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Called once when training on new data starts, with the model being trained."""
 

@@ -1,0 +1,172 @@
+"""Learning without Forgetting: distillation of the previous model's outputs on the new data.
+
+Li and Hoiem, "Learning without Forgetting", ECCV 2016 (TPAMI 2018).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from renate_events.components.component import Component
+from renate_events.components.features import copy_without_hooks
+from trainer import validators as v
+
+__all__ = ["LearningWithoutForgettingComponent", "distillation_loss"]
+
+
+def distillation_loss(
+    outputs: torch.Tensor,
+    old_outputs: torch.Tensor,
+    temperature: float,
+    classes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``KL(softmax(old / T) || softmax(new / T))``, summed over classes, averaged over samples.
+
+    With ``classes`` (a boolean mask over the logits) only those logits enter both softmaxes
+    (the classes the old model was trained on, as Avalanche's LwF restricts it); the masking is
+    a tensor operation, without a host-device synchronisation.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[1.0, 2.0]])
+        >>> float(distillation_loss(logits, logits, 2.0))
+        0.0
+    """
+    new, old = outputs / temperature, old_outputs / temperature
+    if classes is not None:
+        new = new.masked_fill(~classes, float("-inf"))
+        old = old.masked_fill(~classes, float("-inf"))
+    log_p = torch.log_softmax(new, dim=-1)
+    q = torch.softmax(old, dim=-1)
+    log_q = torch.log_softmax(old, dim=-1)
+    if classes is not None:  # 0 * (-inf) would be NaN: the masked classes contribute nothing
+        log_p = log_p.masked_fill(~classes, 0.0)
+        log_q = log_q.masked_fill(~classes, 0.0)
+    return (q * (log_q - log_p)).sum(dim=-1).mean()
+
+
+def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+@attrs.define(eq=False)
+class LearningWithoutForgettingComponent(Component):
+    """LwF: ``alpha * KL(old model || model)`` at temperature ``T`` on every new-data batch.
+
+    At the start of every update (``train_start``) a frozen copy of the model is taken; from
+    the second update on, each step adds :func:`distillation_loss` between the copy's and the
+    model's logits on the new batch, over the classes seen in earlier updates (the targets of
+    the batches trained so far; all logits when targets are not class labels), through
+    :meth:`~renate_events.components.Component.new_data_loss`. Avalanche's form (which Renate
+    wraps): no ``T ** 2`` factor. The copy and the classes are stored in checkpoints.
+
+    Args:
+        alpha: Weight of the distillation term (Renate's default 1).
+        temperature: Softmax temperature (Renate's default 2).
+    """
+
+    alpha: float = attrs.field(default=1.0, validator=v.real_in_range(0))
+    temperature: float = attrs.field(default=2.0, validator=v.real_in_range(0, low_open=True))
+    _old_model: nn.Module | None = attrs.field(init=False, default=None)
+    _seen: torch.Tensor | None = attrs.field(init=False, default=None)  # classes seen so far
+    _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)  # at train_start
+    _updates: int = attrs.field(init=False, default=0)  # updates started
+
+    def on_train_start(self, model: nn.Module) -> None:
+        """Freeze a copy of the model as it is before this update (none before the first)."""
+        self._updates += 1
+        if self._updates == 1:
+            self._old_model, self._old_classes = None, None
+            return
+        self._old_model = self._frozen(model)
+        self._old_classes = None if self._seen is None else self._seen.clone()
+
+    @staticmethod
+    def _frozen(model: nn.Module) -> nn.Module:
+        twin = copy_without_hooks(model).eval()
+        for parameter in twin.parameters():
+            parameter.requires_grad_(False)
+        return twin
+
+    def new_data_loss(
+        self,
+        outputs: torch.Tensor,
+        batch: tuple[Any, torch.Tensor],
+        intermediate_representations: list[torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        inputs, targets = batch
+        labels = not targets.dtype.is_floating_point and targets.dim() == 1
+        if labels:
+            self._note_classes(targets, outputs.shape[-1])
+        if self._old_model is None or self.alpha == 0:
+            return None
+        with torch.no_grad():
+            old_outputs = _call(self._old_model, inputs)
+        classes = self._old_classes if labels else None
+        if classes is not None and classes.device != outputs.device:
+            classes = self._old_classes = classes.to(outputs.device)
+        loss = distillation_loss(outputs, old_outputs, self.temperature, classes)
+        return loss if self.alpha == 1 else loss * self.alpha
+
+    def _note_classes(self, targets: torch.Tensor, classes: int) -> None:
+        seen = self._seen
+        if seen is None or seen.numel() != classes or seen.device != targets.device:
+            grown = torch.zeros(classes, dtype=torch.bool, device=targets.device)
+            if seen is not None:
+                grown[: min(classes, seen.numel())] = seen[:classes].to(targets.device)
+            seen = grown
+        self._seen = seen.index_fill(0, targets, True)
+
+    def on_save_checkpoint(self, checkpoint: MutableMapping[str, Any]) -> None:
+        checkpoint["updates"] = self._updates
+        if self._seen is not None:
+            checkpoint["seen_classes"] = self._seen
+        if self._old_classes is not None:
+            checkpoint["old_classes"] = self._old_classes
+        if self._old_model is not None:
+            checkpoint["old_model"] = dict(self._old_model.state_dict())
+
+    def on_load_checkpoint(self, checkpoint: Mapping[str, Any], model: nn.Module) -> None:
+        """Restore the frozen copy (checked against ``model``'s state) and the classes seen."""
+        name = type(self).__name__
+        updates = checkpoint.get("updates")
+        if not v.is_int(updates) or updates < 0:
+            raise ValueError(
+                f"{name}: checkpoint key 'updates' must be an int >= 0, got {updates!r}"
+            )
+        for key in ("seen_classes", "old_classes"):
+            value = checkpoint.get(key)
+            if value is not None and (
+                not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 1
+            ):
+                raise ValueError(f"{name}: checkpoint key {key!r} must be a 1-d bool tensor")
+        state = checkpoint.get("old_model")
+        old_model = None
+        if state is not None:
+            expected = model.state_dict()
+            if not isinstance(state, Mapping) or set(state) != set(expected):
+                raise ValueError(
+                    f"{name}: checkpoint key 'old_model' must hold the model's state "
+                    f"({len(expected)} tensors named as model.state_dict())"
+                )
+            for key, tensor in state.items():
+                if not isinstance(tensor, torch.Tensor) or tensor.shape != expected[key].shape:
+                    raise ValueError(
+                        f"{name}: checkpoint 'old_model'[{key!r}] does not match the model's "
+                        f"shape {tuple(expected[key].shape)}"
+                    )
+            old_model = self._frozen(model)
+            old_model.load_state_dict(dict(state))
+        self._updates = updates
+        self._seen = checkpoint.get("seen_classes")
+        self._old_classes = checkpoint.get("old_classes")
+        self._old_model = old_model
