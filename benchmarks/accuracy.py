@@ -1,11 +1,12 @@
 """Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
 
-Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER and Joint with the command line's
-defaults (MLP 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of
-200) on Split-Digits (class-incremental, five two-class tasks) and prints average accuracy
+Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
+one, separate and online), LwF and Joint with the command line's defaults (MLP 64-256-10, Adam
+1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and LwF keep no
+memory) on Split-Digits (class-incremental, five two-class tasks) and prints average accuracy
 (class- and task-incremental), forgetting and wall time per run.
 
-Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10]
+Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ METHODS = {
     "POD-ER": ("pod-er", {"feature_modules": ["1"]}),
     "CLS-ER": ("cls-er", {}),
     "Super-ER": ("super-er", {"feature_modules": ["1"]}),
+    "EWC": ("ewc", {}),
+    "EWC (lambda=1000)": ("ewc", {"ewc_lambda": 1000.0}),
+    "online EWC": ("ewc", {"ewc_mode": "online", "decay_factor": 0.9, "ewc_lambda": 1000.0}),
+    "LwF": ("lwf", {}),
     "Joint": ("joint", {}),
 }
+MEMORY_FREE = ("fine-tuning", "joint", "ewc", "lwf")
 
 
 def run(method: str, seed: int, epochs: int) -> dict[str, float]:
@@ -40,7 +46,7 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     torch.manual_seed(seed)
     model = _mlp(64, [256], 10)
     kwargs = {"memory_batch_size": 32, "batch_size": 32, "seed": seed, **extra}
-    if name not in ("fine-tuning", "joint"):
+    if name not in MEMORY_FREE:
         kwargs["memory_size"] = 200
     learner = LEARNERS[name](
         model=model,
@@ -66,15 +72,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(
         f"Split-Digits, class-incremental, {len(args.seeds)} seeds, {args.epochs} epochs/task, "
         "1 thread; mean ± std"
     )
-    header = f"{'method':12s} {'class-IL acc':>15s} {'task-IL acc':>15s} {'forgetting':>15s} "
+    header = f"{'method':18s} {'class-IL acc':>15s} {'task-IL acc':>15s} {'forgetting':>15s} "
     print(header + f"{'s/run':>7s}")
-    for method in METHODS:
+    for method in args.methods:
         results = [run(method, seed, args.epochs) for seed in args.seeds]
         cells = []
         for key in ("class-IL accuracy", "task-IL accuracy", "forgetting"):
@@ -83,7 +90,7 @@ def main(argv=None):
             std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
             cells.append(f"{mean:7.3f} ± {std:.3f}")
         seconds = sum(r["seconds"] for r in results) / len(results)
-        print(f"{method:12s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
+        print(f"{method:18s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
 
 
 if __name__ == "__main__":
