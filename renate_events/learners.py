@@ -254,6 +254,20 @@ class BaseExperienceReplayLearner:
             (the mean over batches) beside ``val_loss`` and ``val_accuracy``.
         collate_fn: The ``DataLoader`` collate function for datasets that are not a
             ``TensorDataset``.
+        train_transform: Renate's name: ``f(inputs) -> inputs`` on each whole batch of new data,
+            on the training device, before the model (e.g.
+            :func:`renate_events.transforms.cifar_train_transform`); the buffer stores the raw,
+            untransformed inputs (``uint8`` images stay ``uint8``).
+        train_target_transform: ``f(targets) -> targets`` on each batch of new data's targets.
+        buffer_transform: ``f(inputs) -> inputs`` on each memory batch when it is sampled, so
+            every replay of a sample sees a fresh augmentation; it is tried on the raw first
+            batch of every update (without drawing from the RNG), so a transform that cannot
+            handle the stored dtype fails before anything trains.
+        buffer_target_transform: ``f(targets) -> targets`` on each memory batch's targets.
+        test_transform: ``f(inputs) -> inputs`` on validation batches (and in ``fit``'s check of
+            the data against the model). Every transform must return a tensor with the batch's
+            number of rows; random ones draw from torch's global RNG, which the trainer
+            checkpoints, so a resumed update repeats the same augmentations.
         trainer: The trainer to drive (epochs, device, precision, ...); subscribe your own
             listeners to it.
         memory_forward: How the new batch and the step's first memory batch go through the
@@ -320,6 +334,31 @@ class BaseExperienceReplayLearner:
         default=None,
         kw_only=True,
         validator=attrs.validators.optional(validators.is_callable("collate_fn(samples) -> batch")),
+    )
+    train_transform: Callable[[Any], torch.Tensor] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("f(inputs) -> inputs")),
+    )
+    train_target_transform: Callable[[torch.Tensor], torch.Tensor] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("f(targets) -> targets")),
+    )
+    buffer_transform: Callable[[Any], torch.Tensor] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("f(inputs) -> inputs")),
+    )
+    buffer_target_transform: Callable[[torch.Tensor], torch.Tensor] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("f(targets) -> targets")),
+    )
+    test_transform: Callable[[Any], torch.Tensor] | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(validators.is_callable("f(inputs) -> inputs")),
     )
 
     _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
@@ -472,7 +511,10 @@ class BaseExperienceReplayLearner:
         self.model.eval()
         try:
             with torch.no_grad():
-                classes = self._forward(inputs[:1].to(_model_device(self.model))).shape[-1]
+                probe = inputs[:1].to(_model_device(self.model))
+                with self._rng_kept(probe):
+                    probe = self._transformed("train_transform", probe, 1)
+                classes = self._forward(probe).shape[-1]
         finally:
             self.model.train(was_training)
         low, high = int(targets.min()), int(targets.max())
@@ -521,7 +563,11 @@ class BaseExperienceReplayLearner:
     def _step(self, batch: Any) -> dict[str, Any]:
         """Forward the new batch (with the first memory batch where they share a pass), then add
         the components' losses on memory batches."""
-        inputs, targets = _unpack(batch)
+        raw_inputs, raw_targets = _unpack(batch)
+        if not self._batch_checked:
+            self._check_buffer_transforms(raw_inputs, raw_targets)
+        inputs = self._transformed("train_transform", raw_inputs, len(raw_targets))
+        targets = self._transformed("train_target_transform", raw_targets, len(raw_targets))
         # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
         # gradients are averaged over the ranks while the backward pass runs.
         net = self.trainer.training_model
@@ -529,12 +575,12 @@ class BaseExperienceReplayLearner:
         replay = self._replay_ready()
         passes = self._forward_new_and_memory(net, inputs, replay)
         if passes.fused:
-            return self._fused_step(inputs, targets, passes)
+            return self._fused_step(inputs, targets, passes, (raw_inputs, raw_targets))
         outputs, features = passes.outputs, passes.features
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
-        self._check_first_batch(inputs, targets, outputs, features)
+        self._check_first_batch(raw_inputs, raw_targets, outputs, features)
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:
             loss = self._memory_losses(net, loss, passes)
@@ -603,10 +649,56 @@ class BaseExperienceReplayLearner:
         if not (self._samples_on_storage and buffer.device == device):
             batch = to_device(batch, device, pin=True)  # pinned staging from a CPU buffer
         memory, metadata = batch
+        if self.buffer_transform is not None or self.buffer_target_transform is not None:
+            inputs_memory, targets_memory = memory
+            n = len(targets_memory)
+            memory = (
+                self._transformed("buffer_transform", inputs_memory, n),
+                self._transformed("buffer_target_transform", targets_memory, n),
+            )
         if "logits" in metadata and "outputs" not in metadata:
             metadata = metadata if isinstance(metadata, dict) else dict(metadata)
             metadata["outputs"] = metadata["logits"]
         return memory, metadata
+
+    def _transformed(self, name: str, value: Any, rows: int) -> Any:
+        """``value`` through the transform field ``name`` (as it is when that is ``None``),
+        checked to be a tensor of ``rows`` rows."""
+        transform = getattr(self, name)
+        if transform is None:
+            return value
+        result = transform(value)
+        if not isinstance(result, torch.Tensor):
+            raise validators.WrongTypeError(
+                f"`{type(self).__name__}.{name}` must return a tensor, got "
+                f"{type(result).__name__} (from {transform!r})"
+            )
+        if result.dim() == 0 or result.shape[0] != rows:
+            raise ValueError(
+                f"`{type(self).__name__}.{name}` must keep the batch size {rows}, got shape "
+                f"{tuple(result.shape)} (from {transform!r})"
+            )
+        return result
+
+    @staticmethod
+    def _rng_kept(like: Any) -> Any:
+        """A context in which torch's global RNG (CPU, and ``like``'s CUDA device) is put back
+        afterwards: a probe of a transform draws nothing from the run's random stream."""
+        device = like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
+        devices = [device] if device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
+
+    def _check_buffer_transforms(self, inputs: Any, targets: torch.Tensor) -> None:
+        """Try the buffer transforms on a raw sample of the new batch (the buffer stores raw
+        samples like it), before anything trains, without drawing from the RNG."""
+        if self.buffer is None or (
+            self.buffer_transform is None and self.buffer_target_transform is None
+        ):
+            return
+        with self._rng_kept(targets):
+            if isinstance(inputs, torch.Tensor):
+                self._transformed("buffer_transform", inputs[:1], 1)
+            self._transformed("buffer_target_transform", targets[:1], 1)
 
     def _check_first_batch(
         self,
@@ -640,7 +732,13 @@ class BaseExperienceReplayLearner:
                 )
         return outputs, features
 
-    def _fused_step(self, inputs: torch.Tensor, targets: torch.Tensor, passes: _Passes) -> Any:
+    def _fused_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        passes: _Passes,
+        raw: tuple[Any, torch.Tensor],
+    ) -> Any:
         """The step's loss as one cross-entropy over ``[new; memory]`` (see :meth:`_fusable`).
 
         ``(w * mean(CE_new) + w_c * mean(CE_memory)) / (w + w_c)`` is a weighted sum of
@@ -654,7 +752,7 @@ class BaseExperienceReplayLearner:
         both, batch_memory = passes.outputs, passes.batch_memory
         n, m = len(inputs), len(both) - len(inputs)
         outputs, outputs_memory = both.detach().split([n, m])
-        self._check_first_batch(inputs, targets, outputs, [])
+        self._check_first_batch(raw[0], raw[1], outputs, [])
         self._ema_update(batch_memory, outputs_memory)
         (_, targets_memory), _ = batch_memory
         weight, weight_memory = self.loss_weight, cast(Component, self._fused).weight
@@ -743,7 +841,7 @@ class BaseExperienceReplayLearner:
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
         inputs, targets = _unpack(batch)
-        outputs = self._forward(inputs)
+        outputs = self._forward(self._transformed("test_transform", inputs, len(targets)))
         reported = {
             "loss": self.loss_fn(outputs, targets).mean(),
             "accuracy": (outputs.argmax(dim=-1) == targets).float().mean(),
