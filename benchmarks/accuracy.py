@@ -1,10 +1,10 @@
 """Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
 
 Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
-one, separate and online), LwF and Joint with the command line's defaults (MLP 64-256-10, Adam
-1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and LwF keep no
-memory) on Split-Digits (class-incremental, five two-class tasks) and prints average accuracy
-(class- and task-incremental), forgetting and wall time per run.
+one, separate and online), LwF, Offline-ER and Joint with the command line's defaults (MLP
+64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and
+LwF keep no memory) on Split-Digits (class-incremental, five two-class tasks) and prints average
+accuracy (class- and task-incremental), forgetting and wall time per run.
 
 Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
 """
@@ -35,6 +35,7 @@ METHODS = {
     "EWC (lambda=1000)": ("ewc", {"ewc_lambda": 1000.0}),
     "online EWC": ("ewc", {"ewc_mode": "online", "decay_factor": 0.9, "ewc_lambda": 1000.0}),
     "LwF": ("lwf", {}),
+    "Offline-ER": ("offline-er", {}),
     "Joint": ("joint", {}),
 }
 MEMORY_FREE = ("fine-tuning", "joint", "ewc", "lwf")

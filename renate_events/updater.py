@@ -73,6 +73,7 @@ from renate_events.learners import (
     FineTuningLearner,
     JointLearner,
     LearningWithoutForgettingLearner,
+    OfflineExperienceReplayLearner,
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
     forward,
@@ -124,6 +125,7 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "joint": JointLearner,
     "ewc": ElasticWeightConsolidationLearner,
     "lwf": LearningWithoutForgettingLearner,
+    "offline-er": OfflineExperienceReplayLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
