@@ -1,7 +1,7 @@
 """Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
 
 Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
-one, separate and online), LwF, Offline-ER and Joint with the command line's defaults (MLP
+one, separate and online), LwF, Offline-ER, GDumb and Joint with the command line's defaults (MLP
 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and
 LwF keep no memory) on Split-Digits (class-incremental, five two-class tasks) and prints average
 accuracy (class- and task-incremental), forgetting and wall time per run.
@@ -36,6 +36,7 @@ METHODS = {
     "online EWC": ("ewc", {"ewc_mode": "online", "decay_factor": 0.9, "ewc_lambda": 1000.0}),
     "LwF": ("lwf", {}),
     "Offline-ER": ("offline-er", {}),
+    "GDumb": ("gdumb", {}),
     "Joint": ("joint", {}),
 }
 MEMORY_FREE = ("fine-tuning", "joint", "ewc", "lwf")

@@ -71,6 +71,7 @@ from renate_events.learners import (
     ElasticWeightConsolidationLearner,
     ExperienceReplayLearner,
     FineTuningLearner,
+    GDumbLearner,
     JointLearner,
     LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
@@ -126,6 +127,7 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "ewc": ElasticWeightConsolidationLearner,
     "lwf": LearningWithoutForgettingLearner,
     "offline-er": OfflineExperienceReplayLearner,
+    "gdumb": GDumbLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
