@@ -1400,6 +1400,12 @@ class GDumbLearner(JointLearner):
             self.buffer = GreedyClassBalancingBuffer(
                 max_size=self.memory_size, seed=_derived_seed(self.seed, 0)
             )
+        if not isinstance(self.buffer, GreedyClassBalancingBuffer):
+            raise ValueError(
+                f"`{type(self).__name__}.buffer` must be a GreedyClassBalancingBuffer (GDumb's "
+                f"class-balanced memory), got a {type(self.buffer).__name__}; leave buffer unset "
+                "(on the command line: --buffer greedy-class-balancing)"
+            )
         super().__attrs_post_init__()
 
     def _check_data(self, data: Any) -> None:

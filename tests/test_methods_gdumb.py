@@ -86,3 +86,14 @@ def test_update_failing_before_its_first_batch_gives_the_buffer_back() -> None:
     after = learner.buffer.state_dict()
     assert after["length"] == state["length"]
     torch.testing.assert_close(after["targets"], state["targets"])
+
+
+def test_another_kind_of_buffer_is_refused() -> None:
+    from renate_events.memory import ReservoirBuffer
+
+    with pytest.raises(ValueError, match="GreedyClassBalancingBuffer"):
+        GDumbLearner(
+            model=torch.nn.Linear(4, 4),
+            buffer=ReservoirBuffer(max_size=8, seed=0),
+            trainer=Trainer(max_epochs=1),
+        )
