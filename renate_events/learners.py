@@ -1244,6 +1244,12 @@ class ElasticWeightConsolidationLearner(BaseExperienceReplayLearner):
             )
         }
 
+    def _replay_ready(self) -> bool:
+        """Replay only for a component with a memory weight: the preset's own adds nothing on
+        memory batches (a ``memory_size`` given by ``ModelUpdater`` or the command line would
+        otherwise forward a memory batch per step for nothing)."""
+        return any(c.weight > 0 for c in self.components.values()) and super()._replay_ready()
+
 
 @attrs.define(eq=False)
 class LearningWithoutForgettingLearner(BaseExperienceReplayLearner):
@@ -1267,6 +1273,12 @@ class LearningWithoutForgettingLearner(BaseExperienceReplayLearner):
                 alpha=self.alpha, temperature=self.temperature
             )
         }
+
+    def _replay_ready(self) -> bool:
+        """Replay only for a component with a memory weight: the preset's own adds nothing on
+        memory batches (a ``memory_size`` given by ``ModelUpdater`` or the command line would
+        otherwise forward a memory batch per step for nothing)."""
+        return any(c.weight > 0 for c in self.components.values()) and super()._replay_ready()
 
 
 @attrs.define(eq=False)

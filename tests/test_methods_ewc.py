@@ -153,3 +153,18 @@ def test_checkpoint_with_wrong_shapes_is_refused() -> None:
         )
     with pytest.raises(ValueError, match="mode"):
         ewc.on_load_checkpoint(checkpoint={"mode": "online"}, model=model)
+
+
+def test_a_memory_given_to_the_learner_is_not_replayed_for_nothing() -> None:
+    learner = ElasticWeightConsolidationLearner(
+        model=torch.nn.Linear(4, 4),
+        memory_size=8,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    learner.fit(_data(0, (0, 1)))
+    assert len(learner.buffer) == 8
+    state = learner.buffer.sampling_state()
+    learner.training_step(_data(1, (2, 3)).tensors)
+    assert torch.equal(learner.buffer.sampling_state(), state)  # no memory batch drawn
