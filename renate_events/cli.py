@@ -101,7 +101,10 @@ def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
         help="continual-learning method" + keeps % "der, i.e. DER++",
     )
     p.add_argument(
-        "--buffer", choices=list(BUFFERS), default=default("reservoir"), help="memory buffer type"
+        "--buffer",
+        choices=list(BUFFERS),
+        default=None,  # the learner's: greedy-class-balancing for gdumb, else reservoir
+        help="memory buffer type" + keeps % "reservoir; greedy-class-balancing for gdumb",
     )
     p.add_argument(
         "--memory-size", type=int, default=default(200), help="buffer slots" + keeps % 200
@@ -534,7 +537,7 @@ class _RunOptions:
     hidden: list[int] = attrs.field(validator=_list_of_ints(1, None, empty=True, distinct=False))
     output_dir: str = attrs.field(validator=_text)
     learner: str = attrs.field(validator=checks.one_of(*sorted(LEARNERS)))
-    buffer: str = attrs.field(validator=checks.one_of(*BUFFERS))
+    buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
     memory_size: int = attrs.field(validator=checks.int_at_least(0))
     epochs: int = attrs.field(validator=checks.int_at_least(1))
     lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
@@ -956,7 +959,7 @@ def _learner_settings(
         kwargs = dict(manifest["learner_kwargs"])
     else:
         learner = overrides.get("learner") or "der"
-        buffer = overrides.get("buffer") or "reservoir"
+        buffer = overrides.get("buffer") or _default_buffer(learner)
         kwargs = {**_FIRST_UPDATE, "seed": overrides.get("seed", 0)}
         if learner in _NO_MEMORY:
             kwargs.pop("memory_size")
@@ -965,6 +968,11 @@ def _learner_settings(
             kwargs[name] = overrides[name]
     kwargs.update(hyper)
     return learner, buffer, kwargs
+
+
+def _default_buffer(learner: str) -> str:
+    """GDumb fills a class-balanced memory (Prabhu et al. 2020); the others sample a reservoir."""
+    return "greedy-class-balancing" if learner == "gdumb" else "reservoir"
 
 
 def _feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module) -> None:
@@ -1265,7 +1273,7 @@ def _prepare_seed(
             learner=options.learner,
             learner_kwargs=learner_kwargs,
             optimizer={"name": "adam", "lr": 1e-3 if options.lr is None else options.lr},
-            buffer=options.buffer,
+            buffer=options.buffer or _default_buffer(options.learner),
             trainer_kwargs={
                 "max_epochs": options.epochs,
                 "device": options.device,
@@ -1295,31 +1303,77 @@ def _train_seed(options: _RunOptions, plan: _Seed) -> dict[str, Any]:
     model, tasks = plan.evaluated, plan.tasks
     class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
     class_matrix.baseline = evaluation.evaluate(model, tasks, mode="class-incremental")
+    targets = torch.cat([task.test.tensors[-1] for task in tasks])
+    previous, flips = None, []
     for task in tasks:
         description = f"seed {plan.seed} task {task.task_id}"
         _progress(plan.updater.learner_instance, description, not options.no_progress)
         plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
         class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
         task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
-    return _metrics(plan.seed, class_matrix, task_matrix, tasks)
+        current = _predictions(model, tasks)
+        if previous is not None:  # flips between consecutive model versions, on all test sets
+            flips.append(evaluation.regression_metrics(previous, current, targets))
+        previous = current
+    return _metrics(plan.seed, class_matrix, task_matrix, tasks, flips)
 
 
-def _metrics(seed: int, class_matrix: Any, task_matrix: Any, tasks: Sequence[Any]) -> dict:
+def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
+    """The model's class-incremental predictions on every task's test set, one after another."""
+    from renate_events.learners import forward
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    predicted = []
+    try:
+        with torch.no_grad():
+            for task in tasks:
+                inputs = task.test.tensors[0]
+                for start in range(0, len(inputs), 256):
+                    logits = forward(model, inputs[start : start + 256].to(device))
+                    predicted.append(logits.argmax(dim=-1).cpu())
+    finally:
+        for module, training in modes:
+            module.train(training)
+    return torch.cat(predicted)
+
+
+_FLIPS = {
+    "nfr": "negative_flip_rate",
+    "nfi": "negative_flip_impact",
+    "pfr": "positive_flip_rate",
+    "pfi": "positive_flip_impact",
+}
+
+
+def _metrics(
+    seed: int,
+    class_matrix: Any,
+    task_matrix: Any,
+    tasks: Sequence[Any],
+    flips: Sequence[Mapping[str, float]],
+) -> dict:
     from renate_events import evaluation
 
     sizes = [len(task.test) for task in tasks]
+    metrics = {
+        "average_accuracy": evaluation.average_accuracy(class_matrix),
+        "micro_average_accuracy": evaluation.micro_average_accuracy(class_matrix, sizes),
+        "task_incremental_average_accuracy": evaluation.average_accuracy(task_matrix),
+        "forgetting": evaluation.forgetting(class_matrix),
+        "backward_transfer": evaluation.backward_transfer(class_matrix),
+        "forward_transfer": evaluation.forward_transfer(class_matrix, class_matrix.baseline),
+    }
+    if flips:  # the mean over consecutive pairs of model versions
+        for key, name in _FLIPS.items():
+            metrics[name] = sum(flip[key] for flip in flips) / len(flips)
     return {
         "seed": seed,
         "class_incremental": class_matrix.to_dict(),
         "task_incremental": task_matrix.to_dict(),
-        "metrics": {
-            "average_accuracy": evaluation.average_accuracy(class_matrix),
-            "micro_average_accuracy": evaluation.micro_average_accuracy(class_matrix, sizes),
-            "task_incremental_average_accuracy": evaluation.average_accuracy(task_matrix),
-            "forgetting": evaluation.forgetting(class_matrix),
-            "backward_transfer": evaluation.backward_transfer(class_matrix),
-            "forward_transfer": evaluation.forward_transfer(class_matrix, class_matrix.baseline),
-        },
+        "regression": [{"update": i + 1, **flip} for i, flip in enumerate(flips)],
+        "metrics": metrics,
     }
 
 
@@ -1789,7 +1843,8 @@ def _current_params(
         "lr": optimizer.get("lr", 1e-3),
         "epochs": trainer.get("max_epochs"),
         "learner": learner,
-        "buffer": overrides.get("buffer") or (manifest["buffer"] if manifest else "reservoir"),
+        "buffer": overrides.get("buffer")
+        or (manifest["buffer"] if manifest else _default_buffer(learner)),
     }
     current = {name: known.get(name) for name in space}
     inside = all(

@@ -144,3 +144,22 @@ def test_console_script_help_for_every_subcommand():
         )
         assert done.returncode == 0 and "usage: renate-events" in done.stdout
         assert "example" in done.stdout.lower()
+
+
+def test_run_reports_flip_rates_consistent_with_the_accuracy_matrix(tmp_path):
+    out = tmp_path / "out"
+    args = ["run", "--epochs", "1", "--learner", "er", "--memory-size", "50", "--hidden", "32"]
+    assert main([*args, "--output-dir", str(out), "--no-progress"]) == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    rows = run["class_incremental"]["rows"]
+    from renate_events.scenarios import split_digits
+
+    sizes = [len(task.test) for task in split_digits(seed=0).tasks()]
+    micro = [sum(a * n for a, n in zip(row, sizes)) / sum(sizes) for row in rows]
+    assert [flip["update"] for flip in run["regression"]] == [1, 2, 3, 4]
+    for flip, before, after in zip(run["regression"], micro, micro[1:]):
+        # what the new version gains on all test sets = its positive minus its negative flips
+        assert flip["pfr"] - flip["nfr"] == pytest.approx(after - before, abs=1e-9)
+    assert run["metrics"]["negative_flip_rate"] == pytest.approx(
+        sum(flip["nfr"] for flip in run["regression"]) / 4
+    )
