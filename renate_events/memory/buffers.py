@@ -755,19 +755,31 @@ class DataBuffer(abc.ABC):
         metadata_layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
         capacity: int,
     ) -> None:
-        def empty(layout: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
-            shape, dtype = layout
-            return torch.empty((capacity, *shape), dtype=dtype, device=self.device)
-
+        layouts = [*input_layout, target_layout, *metadata_layout.values()]
         # Storage must be a normal tensor even when the first batch arrives in inference mode,
         # or later in-place writes outside inference mode would fail.
         with torch.inference_mode(False):
-            inputs = [empty(layout) for layout in input_layout]
-            targets = empty(target_layout)
-            metadata = {k: empty(layout) for k, layout in metadata_layout.items()}
+            storage = self._new_storage([(capacity, *shape) for shape, _ in layouts],
+                                        [dtype for _, dtype in layouts])  # fmt: skip
+        inputs = storage[: len(input_layout)]
+        targets = storage[len(input_layout)]
+        metadata = dict(zip(metadata_layout, storage[len(input_layout) + 1 :]))
         self._spec, self._input_names = copy.deepcopy(spec), list(names)
         self._inputs, self._targets, self._metadata = inputs, targets, metadata
         self._capacity = capacity
+
+    def _new_storage(
+        self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]
+    ) -> list[torch.Tensor]:
+        """Fresh, uninitialised storage tensors (input leaves, targets, metadata, in this order).
+
+        A storage option overrides it: the memory-mapped buffers of
+        :mod:`renate_events.memory.mapped` return tensors backed by files.
+        """
+        return [
+            torch.empty(shape, dtype=dtype, device=self.device)
+            for shape, dtype in zip(shapes, dtypes)
+        ]
 
     def _release_storage(self) -> None:
         """Back to no storage at all, as before the first update (the next batch fixes it)."""

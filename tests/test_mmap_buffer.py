@@ -1,0 +1,195 @@
+"""Memory-mapped buffers (renate_events.memory.mapped): same semantics, files, crash safety."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from renate_events.learners import ExperienceReplayLearner
+from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer, SlidingWindowBuffer
+from renate_events.memory.mapped import (
+    MappedGreedyClassBalancingBuffer,
+    MappedReservoirBuffer,
+    MappedSlidingWindowBuffer,
+)
+from renate_events.transforms import ToFloat
+from trainer import Trainer, read_checkpoint
+
+
+def _stream(steps=12, batch=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8, generator=generator),
+            torch.randint(0, 5, (batch,), generator=generator),
+            {"logits": torch.randn(batch, 5, generator=generator)},
+        )
+        for _ in range(steps)
+    ]
+
+
+def _same_sample(a, b):
+    (xa, ya), ma = a
+    (xb, yb), mb = b
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+@pytest.mark.parametrize(
+    ("mapped", "plain"),
+    [
+        (MappedReservoirBuffer, ReservoirBuffer),
+        (MappedSlidingWindowBuffer, SlidingWindowBuffer),
+        (MappedGreedyClassBalancingBuffer, GreedyClassBalancingBuffer),
+    ],
+)
+def test_mapped_buffers_keep_and_draw_what_the_in_memory_ones_do(tmp_path, mapped, plain):
+    ours, theirs = mapped(30, folder=tmp_path, seed=4), plain(30, seed=4)
+    for inputs, targets, metadata in _stream():
+        ours.update(inputs, targets, metadata)
+        theirs.update(inputs, targets, metadata)
+        _same_sample(ours.sample(6), theirs.sample(6))
+    assert len(ours) == len(theirs) and ours.num_seen == theirs.num_seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"buffer.work.{i}.bin" for i in range(3)]
+    assert ours.sample(1)[0][0].dtype == torch.uint8
+
+
+def test_state_names_files_only_and_resumes_exactly(tmp_path):
+    buffer, reference = MappedReservoirBuffer(20, folder=tmp_path), ReservoirBuffer(20)
+    for inputs, targets, metadata in _stream():
+        buffer.update(inputs, targets, metadata)
+        reference.update(inputs, targets, metadata)
+    state = buffer.state_dict()
+    assert state["inputs"] == [] and state["targets"] is None and state["metadata"] == {}
+    assert [f["file"] for f in state["mapped"]["files"]] == [f"buffer.g1.{i}.bin" for i in range(3)]
+    assert state["mapped"]["files"][0] == {
+        "file": "buffer.g1.0.bin",
+        "shape": [20, 3, 4, 4],
+        "dtype": "torch.uint8",
+    }
+    restored = MappedReservoirBuffer(20, folder=tmp_path)
+    restored.load_state_dict(state)
+    for inputs, targets, metadata in _stream(4, seed=1):
+        restored.update(inputs, targets, metadata)
+        reference.update(inputs, targets, metadata)
+        _same_sample(restored.sample(5), reference.sample(5))
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_killed_update_leaves_the_checkpointed_files_intact(tmp_path):
+    buffer = MappedReservoirBuffer(16, folder=tmp_path)
+    reference = ReservoirBuffer(16)
+    stream = _stream(6)
+    for inputs, targets, metadata in stream:
+        buffer.update(inputs, targets, metadata)
+        reference.update(inputs, targets, metadata)
+    state = buffer.state_dict()
+    expected = reference.state_dict()
+    digests = {p.name: _digest(p) for p in tmp_path.glob("buffer.g1.*.bin")}
+    for inputs, targets, metadata in _stream(6, seed=2):  # the update that is then "killed"
+        buffer.update(inputs, targets, metadata)
+    assert {p.name: _digest(p) for p in tmp_path.glob("buffer.g1.*.bin")} == digests
+    del buffer
+    restored = MappedReservoirBuffer(16, folder=tmp_path)
+    restored.load_state_dict(state)
+    got = restored.state_dict()
+    assert torch.equal(got["inputs"][0] if got["inputs"] else torch.empty(0), torch.empty(0))
+    back = ReservoirBuffer(16)
+    back.load_state_dict(expected)
+    _same_sample(restored.sample(16), back.sample(16))
+    # Two generations kept: g1 (loaded, rewritten as g2 by the state_dict above) and g2.
+    assert {p.name.split(".")[1] for p in tmp_path.glob("buffer.g*.bin")} == {"g1", "g2"}
+    restored.state_dict()
+    assert {p.name.split(".")[1] for p in tmp_path.glob("buffer.g*.bin")} == {"g2", "g3"}
+
+
+def test_bad_folders_full_disks_and_shapes_are_refused_before_anything_changes(
+    tmp_path, monkeypatch
+):
+    with pytest.raises(ValueError, match="existing folder"):
+        MappedReservoirBuffer(4, folder=tmp_path / "missing")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="writable folder"):
+        MappedReservoirBuffer(4, folder=tmp_path)
+    monkeypatch.undo()
+
+    buffer = MappedReservoirBuffer(10_000, folder=tmp_path)
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    inputs, targets, metadata = _stream(1)[0]
+    with pytest.raises(ValueError, match="the disk is full"):
+        buffer.update(inputs, targets, metadata)
+    assert len(buffer) == 0 and buffer.num_seen == 0 and buffer.capacity == 0
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    buffer.update(inputs, targets, metadata)
+    with pytest.raises(ValueError, match="per-sample shape"):
+        buffer.update(torch.zeros(8, 3, 5, 5, dtype=torch.uint8), targets, metadata)
+    assert buffer.num_seen == 8
+
+
+def test_tampered_or_foreign_snapshot_files_are_refused(tmp_path):
+    buffer = MappedReservoirBuffer(8, folder=tmp_path)
+    for inputs, targets, metadata in _stream(2):
+        buffer.update(inputs, targets, metadata)
+    state = buffer.state_dict()
+    other = MappedReservoirBuffer(8, folder=tmp_path, name="other")
+    bad = {
+        **state,
+        "mapped": {**state["mapped"], "files": [dict(f) for f in state["mapped"]["files"]]},
+    }
+    bad["mapped"]["files"][0]["file"] = "../../etc.g1.0.bin"
+    with pytest.raises(ValueError, match="not a snapshot file name"):
+        other.load_state_dict(bad)
+    with open(tmp_path / "buffer.g1.1.bin", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ValueError, match="must hold"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="state\\['mapped'\\]: missing"):
+        other.load_state_dict(ReservoirBuffer(8).state_dict())
+    assert len(other) == 0
+
+
+def test_learner_checkpoints_a_mapped_buffer_without_its_data(tmp_path):
+    folder = tmp_path / "memory"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randint(0, 256, (32, 3, 4, 4), dtype=torch.uint8, generator=generator),
+        torch.randint(0, 5, (32,), generator=generator),
+    )
+
+    def learner():
+        torch.manual_seed(0)
+        return ExperienceReplayLearner(
+            model=nn.Sequential(nn.Flatten(), nn.Linear(48, 5)),
+            memory_size=16,
+            memory_batch_size=4,
+            batch_size=8,
+            buffer=MappedReservoirBuffer(16, folder=folder, seed=2),
+            train_transform=ToFloat(),
+            buffer_transform=ToFloat(),
+            trainer=Trainer(max_epochs=1, device="cpu"),
+        )
+
+    first = learner()
+    first.fit(data)
+    first.save_checkpoint(tmp_path / "state.safetensors")
+    saved = read_checkpoint(tmp_path / "state.safetensors")["listeners"]["learner"]["buffer"]
+    assert saved["inputs"] == [] and saved["metadata"] == {}  # no images in the checkpoint
+    assert saved["mapped"]["files"][0]["shape"] == [16, 3, 4, 4]
+    second = learner()
+    second.load_checkpoint(tmp_path / "state.safetensors")
+    _same_sample(first.buffer.sample(8), second.buffer.sample(8))
