@@ -164,6 +164,27 @@ def expected_rows_written(size: int, first: int, count: int) -> float:
     return sum(min(1.0, size / (n + 1)) for n in range(first, first + count)) * BATCH / count
 
 
+def cifar_slot_bytes() -> str:
+    """Bytes per slot of a buffer holding CIFAR-shaped samples (3x32x32, an int64 target, 10
+    float32 logits) as raw uint8 images against float32 images, read off the storage."""
+    sizes = {}
+    for dtype in (torch.uint8, torch.float32):
+        buffer = ReservoirBuffer(1, seed=0)
+        buffer.update(
+            torch.zeros(1, 3, 32, 32, dtype=dtype),
+            torch.zeros(1, dtype=torch.int64),
+            {"logits": torch.zeros(1, CLASSES)},
+        )
+        sizes[dtype] = sum(t.element_size() * t[0].numel() for t in buffer._storage())
+    raw, floats = sizes[torch.uint8], sizes[torch.float32]
+    return (
+        f"\nCIFAR-shaped slot (3x32x32 image, int64 target, {CLASSES} float32 logits): "
+        f"{raw} bytes with uint8 images, {floats} bytes with float32 images "
+        f"({floats / raw:.2f}x); 500 000 slots: {500_000 * raw / 2**20:.0f} MiB against "
+        f"{500_000 * floats / 2**20:.0f} MiB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -259,6 +280,7 @@ def main() -> None:
         f"{rss_full:.0f} MiB when full ({rss_before:.0f} MiB before allocating it); peak RSS "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
     )
+    emit(cifar_slot_bytes())
     emit(f"total time {time.perf_counter() - started:.0f} s")
     if args.markdown is not None:
         text = [

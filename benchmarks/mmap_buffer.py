@@ -1,0 +1,117 @@
+"""A memory-mapped replay buffer far larger than the process's own memory, and its step cost.
+
+Fills a :class:`~renate_events.memory.mapped.MappedReservoirBuffer` with ``--slots`` raw uint8
+CIFAR-shaped samples (3x32x32, an int64 target, 10 float32 logits: 3 120 bytes a slot), in a
+temporary folder (``--folder`` to choose the disk), then times one replay step (``update`` with
+32 samples + ``sample(32)``) against an in-memory :class:`~renate_events.memory.ReservoirBuffer`
+of the same size, in the same run, single-threaded. Reports the buffer's bytes next to the
+process's resident memory from ``/proc/self/status``: ``RssAnon`` (the process's own memory,
+which the in-memory buffer adds to) and ``RssFile`` (pages of the mapped files now in the page
+cache, which the kernel can write back and drop under memory pressure). The mapped buffer is
+measured first, before the in-memory one is allocated.
+
+Run: ``python benchmarks/mmap_buffer.py`` (default 300 000 slots, ~900 MB on disk, under a
+minute); ``--slots 1000000`` for ~3 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from renate_events.memory import DataBuffer, ReservoirBuffer
+from renate_events.memory.mapped import MappedReservoirBuffer
+
+BATCH = 32
+SHAPE = (3, 32, 32)
+CLASSES = 10
+CHUNK = 4_096
+
+
+def status_mib() -> dict[str, float]:
+    values = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                values[key] = int(line.split()[1]) / 1024
+    return values
+
+
+def _batch(n: int, generator: torch.Generator) -> tuple:
+    return (
+        torch.randint(0, 256, (n, *SHAPE), dtype=torch.uint8, generator=generator),
+        torch.randint(0, CLASSES, (n,), generator=generator),
+        {"logits": torch.randn(n, CLASSES, generator=generator)},
+    )
+
+
+def fill(buffer: DataBuffer, slots: int) -> None:
+    inputs, targets, metadata = _batch(CHUNK, torch.Generator().manual_seed(0))
+    while len(buffer) < slots:
+        n = min(CHUNK, slots - len(buffer))
+        buffer.update(inputs[:n], targets[:n], {"logits": metadata["logits"][:n]})
+
+
+def step_cost(buffer: DataBuffer, steps: int) -> float:
+    generator = torch.Generator().manual_seed(1)
+    batches = [_batch(BATCH, generator) for _ in range(64)]
+    times = []
+    for i in range(steps):
+        inputs, targets, metadata = batches[i % len(batches)]
+        start = time.perf_counter()
+        buffer.update(inputs, targets, metadata)
+        buffer.sample(BATCH)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, default=300_000)
+    parser.add_argument("--steps", type=int, default=1_000)
+    parser.add_argument("--folder", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    slot_bytes = SHAPE[0] * SHAPE[1] * SHAPE[2] + 8 + 4 * CLASSES
+    size_mib = args.slots * slot_bytes / 2**20
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, 1 thread")
+    print(f"{args.slots} slots x {slot_bytes} B = {size_mib:.0f} MiB of buffer")
+    before = status_mib()
+    with tempfile.TemporaryDirectory(dir=args.folder) as folder:
+        mapped = MappedReservoirBuffer(args.slots, folder=folder, seed=0)
+        start = time.perf_counter()
+        fill(mapped, args.slots)
+        fill_s = time.perf_counter() - start
+        mapped_step = step_cost(mapped, args.steps)
+        after = status_mib()
+        anon = after["RssAnon"] - before["RssAnon"]
+        print(
+            f"mapped: filled in {fill_s:.1f} s; RSS {after['VmRSS']:.0f} MiB "
+            f"(RssAnon {after['RssAnon']:.0f}, +{anon:.0f} MiB during the run; RssFile "
+            f"{after['RssFile']:.0f}); buffer / RssAnon = {size_mib / after['RssAnon']:.1f}x"
+        )
+        del mapped
+        gc.collect()
+    memory = ReservoirBuffer(args.slots, seed=0)
+    fill(memory, args.slots)
+    memory_step = step_cost(memory, args.steps)
+    after_memory = status_mib()
+    print(
+        f"in-memory: RSS {after_memory['VmRSS']:.0f} MiB (RssAnon "
+        f"{after_memory['RssAnon']:.0f} MiB)"
+    )
+    print(
+        f"step (update {BATCH} + sample {BATCH}): mapped {mapped_step * 1e6:.1f} us, "
+        f"in-memory {memory_step * 1e6:.1f} us, ratio {mapped_step / memory_step:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
