@@ -106,8 +106,8 @@ def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
         default=None,  # the learner's: greedy-class-balancing for gdumb, else reservoir
         help="memory buffer type" + keeps % "reservoir; greedy-class-balancing for gdumb",
     )
-    p.add_argument(
-        "--memory-size", type=int, default=default(200), help="buffer slots" + keeps % 200
+    p.add_argument(  # None: 200, or 0 for the memory-free learners (fine-tuning, ewc, ...)
+        "--memory-size", type=int, default=None, help="buffer slots" + keeps % 200
     )
     p.add_argument("--epochs", type=int, default=default(10), help="epochs per update" + keeps % 10)
     p.add_argument(  # None: 1e-3, or what the input state or the config's optimizer_fn has
@@ -143,7 +143,12 @@ def _config_file_options(p: argparse.ArgumentParser) -> None:
         help="validation metric whose best epoch's weights the state keeps (val_loss, "
         "val_accuracy, val_<metrics_fn name>)",
     )
-    p.add_argument("--mode", choices=("min", "max"), default=None, help="min (default) or max")
+    p.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default=None,
+        help="min or max (default: max for a metric named *accuracy, else min)",
+    )
     p.add_argument(
         "--early-stopping",
         type=int,
@@ -273,7 +278,12 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
         help="with --config-file: the chunk data_fn gives (default: the input state's number of "
         "updates, so 0 for a first update)",
     )
-    update.add_argument("--seed", type=int, default=0, help="seed given to data_fn (default 0)")
+    update.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds model_fn's initial weights and is given to data_fn (default 0)",
+    )
     update.add_argument(
         "--in-place", action="store_true", help="allow --output-state to be --input-state"
     )
@@ -340,6 +350,11 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
         "trained on, 0..updates-1)",
     )
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the split / of data_fn")
+    evaluate.add_argument(
+        "--accept-config-change",
+        action="store_true",
+        help="evaluate a state folder written with another version of the config file",
+    )
     return evaluate
 
 
@@ -370,6 +385,11 @@ def _shift_parser(sub: Any) -> argparse.ArgumentParser:
     shift.add_argument("--seed", type=int, default=0, help="seed of the permutations")
     shift.add_argument("--state", help="test on the features of this state folder's model")
     shift.add_argument("--config-file", help="the config file the --state was written with")
+    shift.add_argument(
+        "--accept-config-change",
+        action="store_true",
+        help="use a --state written with another version of the config file",
+    )
     shift.add_argument(
         "--feature-module",
         help="with --state: the submodule whose outputs are the features (default: the logits)",
@@ -538,7 +558,7 @@ class _RunOptions:
     output_dir: str = attrs.field(validator=_text)
     learner: str = attrs.field(validator=checks.one_of(*sorted(LEARNERS)))
     buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
-    memory_size: int = attrs.field(validator=checks.int_at_least(0))
+    memory_size: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
     epochs: int = attrs.field(validator=checks.int_at_least(1))
     lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
     batch_size: int = attrs.field(validator=checks.int_at_least(1))
@@ -601,6 +621,7 @@ class _EvaluateOptions:
         validator=_optional(_list_of_ints(0, None, empty=False, distinct=True))
     )
     seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
+    accept_config_change: bool = attrs.field(validator=checks.boolean)
 
 
 @attrs.frozen
@@ -618,6 +639,7 @@ class _ShiftOptions:
     seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
     state: str | None = attrs.field(validator=_optional(_text))
     config_file: str | None = attrs.field(validator=_optional(_text))
+    accept_config_change: bool = attrs.field(validator=checks.boolean)
     feature_module: str | None = attrs.field(validator=_optional(_text))
 
 
@@ -940,7 +962,7 @@ def _updater_from_folder(
 
 _TRAINING = ("learner", "buffer", "memory_size", "epochs", "lr", "batch_size", "memory_batch_size")
 _FIRST_UPDATE = {"memory_size": 200, "batch_size": 32, "memory_batch_size": 32}
-_NO_MEMORY = ("fine-tuning", "joint")  # learners without a replay buffer's memory_size
+_NO_MEMORY = ("fine-tuning", "joint", "ewc", "lwf")  # memory-free unless --memory-size is given
 _DISTILLING = ("pod-er", "super-er")  # learners that need feature_modules
 
 
@@ -1257,12 +1279,12 @@ def _prepare_seed(
     torch.manual_seed(seed)
     model = _mlp(inputs, options.hidden, classes)
     learner_kwargs: dict[str, Any] = {
-        "memory_size": options.memory_size,
+        "memory_size": 200 if options.memory_size is None else options.memory_size,
         "memory_batch_size": options.memory_batch_size,
         "batch_size": options.batch_size,
         "seed": seed,
     }
-    if options.learner in _NO_MEMORY:
+    if options.learner in _NO_MEMORY and options.memory_size is None:
         learner_kwargs.pop("memory_size")
     if options.learner in _DISTILLING:  # distil the outputs of the hidden layers
         learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(options.hidden))]
@@ -1687,7 +1709,8 @@ def _search_update(
     trial's state, with the trials table ``search.csv``, is the output."""
     from renate_events import search
 
-    if options.search is None or not options.search_space:
+    space = search.parse_space(options.search_space, options.config or "--config")
+    if options.search is None or not space:
         raise UsageError(
             "--search TRIALS and a search space go together: give --search and, in the --config "
             "TOML file, tables such as alpha = {low = 0.05, high = 1.0, log = true}"
@@ -1696,22 +1719,28 @@ def _search_update(
         optuna = search.require_optuna()
     except ImportError as exc:
         raise UsageError(str(exc)) from None
-    space = search.parse_space(options.search_space, options.config or "--config")
     learner = overrides.get("learner") or (manifest["learner"] if manifest else "der")
     _check_space(space, learner, manifest)
+    if "lr" in space and config.has("optimizer_fn"):
+        raise UsageError(
+            f"--search: lr: {config.path} defines optimizer_fn, which sets the learning rate; "
+            "search it there (e.g. from an environment variable) or leave lr out of the space"
+        )
     selection = _selection_settings(options)
     if selection["metric"] is None:
         selection.update(metric="val_loss", mode=options.mode or "min")
     task_id = options.task_id if options.task_id is not None else chunk
     runner = _TrialRunner(options, config, manifest, overrides, hyper, chunk, selection, task_id)
-    current = _current_params(space, learner, manifest, overrides, hyper)
+    current = _current_params(space, learner, manifest, overrides, hyper, config)
     _try_every_value(runner, space, current)
+    runner.check_validation()
     study = _study(optuna, options, selection["mode"])
-    if not study.trials:  # the settings the update would have used, then earlier best ones
-        if current is not None:
-            study.enqueue_trial(current)
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    finished = [t for t in study.trials if t.state in done]
+    if current is not None and all(t.params != current for t in finished):
+        study.enqueue_trial(current)  # the settings the update would have used without a search
+    if not study.trials:
         _warm_start(study, options, manifest, space, selection["mode"])
-    finished = [t for t in study.trials if t.state.is_finished()]
     study.optimize(
         lambda trial: runner.trial(trial, search.suggest(trial, space), optuna),
         n_trials=max(0, options.search - len(finished)),
@@ -1806,7 +1835,7 @@ def _check_option_ranges(space: Mapping[str, Any]) -> None:
 def _study(optuna: Any, options: _UpdateOptions, mode: str) -> Any:
     from renate_events import search
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # our errors are one line
     try:
         return search.create_study(
             optuna,
@@ -1829,6 +1858,7 @@ def _current_params(
     manifest: Any,
     overrides: Mapping[str, Any],
     hyper: Mapping[str, Any],
+    config: ConfigFile,
 ) -> dict[str, Any] | None:
     """What the update would use without a search, for every searched name; None when any of
     them lies outside the space (then the search need not try it)."""
@@ -1836,7 +1866,7 @@ def _current_params(
 
     _, _, kwargs = _learner_settings(overrides, hyper, manifest)
     trainer = _trainer_setting(overrides, manifest, None)
-    optimizer = _optimizer_setting(overrides, manifest, None).get("optimizer", {})
+    optimizer = _optimizer_setting(overrides, manifest, config).get("optimizer", {})
     known = {
         **{name: entry.default for name, entry in hyperparameters(learner).items()},
         **kwargs,
@@ -1883,6 +1913,22 @@ class _TrialRunner:
     selection: dict[str, Any]
     task_id: Any
     kept: dict[int, ModelUpdater] = attrs.field(factory=dict)
+
+    def check_validation(self) -> None:
+        """The metric needs validation data that reports it: said before any trial."""
+        _, val = self.config.data(self.chunk, self.options.seed)
+        kept = self.manifest is not None and self.manifest.get("validation_memory", False)
+        metric = self.selection["metric"]
+        if val is None and not (kept and self.selection["validation_memory"]):
+            raise UsageError(
+                f"--search compares trials by {metric}, a validation metric: make data_fn return "
+                "(train, validation)"
+            )
+        reported = ["val_loss", "val_accuracy", *(f"val_{m}" for m in self.config.metrics())]
+        if metric not in reported:
+            raise UsageError(
+                f"--metric {metric!r} is not reported by validation; it reports {reported}"
+            )
 
     def trial(self, trial: Any, params: Mapping[str, Any], optuna: Any) -> float:
         from renate_events import search
@@ -1980,6 +2026,7 @@ def _evaluate_from_config(options: _EvaluateOptions) -> int:
         manifest,
         input_state_folder=options.state,
         validation_memory=manifest.get("validation_memory", False),
+        accept_config_change=options.accept_config_change,
     )
     model = _for_evaluation(updater.learner_instance.model, config)
     chunks = options.chunk_ids or list(range(manifest["updates"]))
@@ -2011,6 +2058,9 @@ def _shift(values: dict[str, Any], from_file: frozenset[str]) -> int:
     reference = _shift_inputs("--reference", options.reference)
     query = _shift_inputs("--query", options.query)
     extractor = None if options.state is None else _feature_extractor(options)
+    if extractor is not None:
+        for flag, data in (("--reference", reference), ("--query", query)):
+            _check_extractor(extractor, flag, data)
     detector: shift.ShiftDetectorWithFeatureExtractor
     if options.detector == "mmd":
         detector = shift.MMDCovariateShiftDetector(
@@ -2044,6 +2094,26 @@ def _shift_inputs(flag: str, path: str) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(inputs.float())
 
 
+def _check_extractor(
+    extractor: torch.nn.Module, flag: str, data: torch.utils.data.TensorDataset
+) -> None:
+    """The state's model on two of the samples: a mismatch is one line, with the shapes."""
+    sample = data.tensors[0][:2]
+    modes = [(module, module.training) for module in extractor.modules()]
+    extractor.eval()
+    try:
+        with torch.no_grad():
+            extractor(sample)
+    except Exception as exc:
+        raise UsageError(
+            f"{flag}: the state folder's model does not accept its samples (float32 "
+            f"{tuple(sample.shape[1:])}): {type(exc).__name__}: {_one_line(exc)}"
+        ) from None
+    finally:
+        for module, training in modes:
+            module.train(training)
+
+
 class _ModuleOutput(torch.nn.Module):
     """The output of ``model``'s submodule ``name`` when ``model`` runs (a forward hook)."""
 
@@ -2075,6 +2145,7 @@ def _feature_extractor(options: _ShiftOptions) -> torch.nn.Module:
             manifest,
             input_state_folder=state,
             validation_memory=manifest.get("validation_memory", False),
+            accept_config_change=options.accept_config_change,
         )
     else:
         updater, _ = _updater_from_folder(state)

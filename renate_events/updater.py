@@ -312,6 +312,14 @@ def _optional_callable(signature: str) -> Any:
     return attrs.validators.optional(checks.is_callable(signature))
 
 
+def _metrics_mapping(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise checks.WrongTypeError(
+            f"ModelUpdater.metrics must be a mapping {{name: fn(outputs, targets)}}, got {value!r}"
+        )
+    return dict(value)
+
+
 def _listeners(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     for listener in value:
         if listener is None or isinstance(listener, (str, bytes, int, float)):
@@ -480,7 +488,9 @@ class ModelUpdater:
         metric: A validation metric (``"val_loss"``, ``"val_accuracy"``, ``"val_<name>"``): the
             output state holds the model's weights from the validation where it was best, and
             early stopping watches it. None: the weights after the last epoch.
-        mode: ``"min"`` or ``"max"``: whether a lower or a higher ``metric`` is better.
+        mode: ``"min"`` or ``"max"``: whether a lower or a higher ``metric`` is better; None
+            (default): ``"max"`` for a metric named ``*accuracy``, else ``"min"`` (Renate's
+            default is always ``"min"``).
         early_stopping_enabled: Stop an update once ``metric`` has not improved for
             ``early_stopping_patience`` validations.
         early_stopping_patience: See ``early_stopping_enabled``.
@@ -543,7 +553,7 @@ class ModelUpdater:
         factory=tuple, kw_only=True, converter=tuple, validator=_listeners
     )
     metrics: Mapping[str, Callable[..., Any]] = attrs.field(
-        factory=dict, kw_only=True, converter=dict
+        factory=dict, kw_only=True, converter=_metrics_mapping
     )
     collate_fn: Callable[[list[Any]], Any] | None = attrs.field(
         default=None, kw_only=True, validator=_optional_callable("(samples) -> batch")
@@ -554,7 +564,9 @@ class ModelUpdater:
     metric: str | None = attrs.field(
         default=None, kw_only=True, validator=checks.non_empty_string("a name", optional=True)
     )
-    mode: str = attrs.field(default="min", kw_only=True, validator=checks.one_of("min", "max"))
+    mode: str | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(checks.one_of("min", "max"))
+    )
     early_stopping_enabled: bool = attrs.field(
         default=False, kw_only=True, validator=checks.boolean
     )
@@ -581,6 +593,9 @@ class ModelUpdater:
     _memory: _ValidationMemory | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
+        if self.mode is None:  # an accuracy is better when higher; anything else (a loss) lower
+            accuracy = self.metric is not None and self.metric.endswith("accuracy")
+            self.mode = "max" if accuracy else "min"
         if self.early_stopping_enabled and self.metric is None:
             raise ValueError(
                 "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
@@ -646,6 +661,8 @@ class ModelUpdater:
         its best trial's).
         """
         _check_task_id(task_id)
+        train_dataset = _pair_as_dataset(train_dataset, "train_dataset")
+        val_dataset = _pair_as_dataset(val_dataset, "val_dataset")
         learner = self.learner_instance
         self._expected_output()  # checks the output folder, remembers what it holds now
         signature = self._check_inputs(learner, train_dataset, "the training data")
@@ -739,34 +756,70 @@ class ModelUpdater:
                 f"{what}: its samples are {_shown(signature)}, but the state was trained on "
                 f"samples of {_shown(earlier[-1])}; give data of the same shape and dtype"
             )
-        self._probe(learner, inputs, what)
-        try:
-            learner._check_data(data)  # empty data, labels outside the model's outputs
-        except ValueError as exc:
-            raise UpdateInputError(f"{what}: {exc}") from None
+        self._probe(learner, inputs, targets, what, data)
         return signature
 
-    def _probe(self, learner: BaseExperienceReplayLearner, inputs: Any, what: str) -> None:
+    def _probe(
+        self, learner: BaseExperienceReplayLearner, inputs: Any, targets: Any, what: str, data: Any
+    ) -> None:
+        """The model on two samples, the labels against its outputs, then the loss and every
+        metric on the outputs: a mismatch is said now, with both shapes, instead of as an error
+        deep inside training."""
         model = learner.model
-        transform = self.transforms.get("train_transform")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                batch = to_device(inputs, device)
-                if transform is not None:
-                    batch = transform(batch)
-                forward(model, batch)
+                outputs = self._forward_probe(model, inputs, what)
+                try:
+                    learner._check_data(data)  # empty data, labels outside the model's outputs
+                except ValueError as exc:
+                    raise UpdateInputError(f"{what}: {exc}") from None
+                targets = to_device(targets, outputs.device)
+                self._call_probe("loss_fn", learner.loss_fn, outputs, targets, what, "the loss")
+                for name, metric in self.metrics.items():
+                    self._call_probe(name, metric, outputs, targets, what, f"the metric {name!r}")
+        finally:
+            model.train(was_training)
+
+    def _forward_probe(self, model: nn.Module, inputs: Any, what: str) -> torch.Tensor:
+        transform = self.transforms.get("train_transform")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        try:
+            batch = to_device(inputs, device)
+            if transform is not None:
+                batch = transform(batch)
+            return forward(model, batch)
         except Exception as exc:
             shape = _shown(_sample_signature(inputs, None))
             raise UpdateInputError(
                 f"{what}: the model does not accept its samples ({shape}){_first_layer(model)}; "
-                f"it raised {type(exc).__name__}: {' '.join(str(exc).split())}. Make "
-                "model_fn's first layer fit the data (or reshape the data)"
+                f"it raised {type(exc).__name__}: {' '.join(str(exc).split())}{self._frame(exc)}"
+                ". Make model_fn's first layer fit the data (or reshape the data)"
             ) from None
-        finally:
-            model.train(was_training)
+
+    def _call_probe(
+        self, name: str, function: Any, outputs: Any, targets: Any, what: str, role: str
+    ) -> None:
+        try:
+            torch.as_tensor(function(outputs, targets)).float().mean()
+        except Exception as exc:
+            shapes = (
+                f"outputs {_tensor_text(outputs)} and targets {_tensor_text(targets)} of two "
+                "samples"
+            )
+            raise UpdateInputError(
+                f"{what}: {role} ({name}) fails on the model's {shapes}: {type(exc).__name__}: "
+                f"{' '.join(str(exc).split())}{self._frame(exc)}"
+            ) from None
+
+    def _frame(self, exc: BaseException) -> str:
+        """`` (my_config.py, line 12: ...)`` where the error was raised inside the config file."""
+        if self.config_file is None:
+            return ""
+        from renate_events.config import _own_frame
+
+        return _own_frame(self.config_file.path, exc)
 
     def _check_metric(self, validating: bool) -> None:
         if self.metric is None:
@@ -774,13 +827,12 @@ class ModelUpdater:
         reported = ["val_loss", "val_accuracy", *(f"val_{name}" for name in self.metrics)]
         if not validating:
             raise UpdateInputError(
-                f"ModelUpdater.metric {self.metric!r} needs validation data: pass val_dataset "
+                f"the metric {self.metric!r} needs validation data: pass val_dataset "
                 "(data_fn returning (train, validation)) or leave metric unset"
             )
         if self.metric not in reported:
             raise UpdateInputError(
-                f"ModelUpdater.metric {self.metric!r} is not reported by validation; it reports "
-                f"{reported}"
+                f"the metric {self.metric!r} is not reported by validation; it reports {reported}"
             )
 
     def _validation_data(self, val_dataset: Any) -> tuple[tuple[torch.Tensor, ...] | None, Any]:
@@ -797,6 +849,19 @@ class ModelUpdater:
         if current is None:
             return None, TensorDataset(*kept)
         return current, TensorDataset(*(torch.cat(pair) for pair in zip(kept, current)))
+
+    def _callables(self) -> dict[str, Any]:
+        """Every function this updater was given, by its argument's name."""
+        given = {
+            "loss_fn": self.loss_fn,
+            "learning_rate_scheduler": self.learning_rate_scheduler,
+            "collate_fn": self.collate_fn,
+            **self.transforms,
+            **{f"metrics.{name}": metric for name, metric in self.metrics.items()},
+        }
+        if not isinstance(self.optimizer, Mapping):
+            given["optimizer"] = self.optimizer
+        return {name: function for name, function in given.items() if function is not None}
 
     def _record(
         self,
@@ -817,6 +882,11 @@ class ModelUpdater:
             if getattr(self, name) is not None
         }
         functions.update({name: _describe(f) for name, f in self.transforms.items()})
+        hashes = {
+            name: digest
+            for name, function in self._callables().items()
+            if (digest := _source_sha256(function)) is not None
+        }
         functions["metrics"] = sorted(self.metrics)
         functions["listeners"] = [type(listener).__name__ for listener in self.listeners]
         return {
@@ -829,6 +899,7 @@ class ModelUpdater:
             "learner_kwargs": dict(self.learner_kwargs),
             "optimizer": self._optimizer_record(),
             "functions": functions,
+            "functions_sha256": hashes,
             "data": signature,
             "best": None
             if best is None or best.best is None
@@ -1076,6 +1147,41 @@ def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, A
             f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"
         )
     return batch[0], batch[1]
+
+
+def _pair_as_dataset(value: Any, name: str) -> Any:
+    """An ``(inputs, targets)`` pair of tensors as a ``TensorDataset``; anything else as it is."""
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        return value
+    if not all(isinstance(part, torch.Tensor) for part in value):
+        return value
+    if value[0].dim() == 0 or len(value[0]) != len(value[1]):
+        raise UpdateInputError(
+            f"ModelUpdater.update: {name} as (inputs, targets) needs one target per input, got "
+            f"shapes {tuple(value[0].shape)} and {tuple(value[1].shape)}"
+        )
+    return TensorDataset(*value)
+
+
+def _source_sha256(function: Any) -> str | None:
+    """The SHA-256 of a function's source (or of its bytecode), None for other callables."""
+    target = function.func if isinstance(function, functools.partial) else function
+    if isinstance(target, _ConfigFunction):
+        target = target.config.functions[target.name]
+    try:
+        text = inspect.getsource(target).encode("utf-8")
+    except (OSError, TypeError):
+        code = getattr(target, "__code__", None)
+        if code is None:
+            return None
+        text = code.co_code
+    return hashlib.sha256(text).hexdigest()
+
+
+def _tensor_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _first_layer(model: nn.Module) -> str:
@@ -1429,6 +1535,7 @@ _HISTORY_KEYS = frozenset(
         "learner_kwargs",
         "optimizer",
         "functions",
+        "functions_sha256",
         "data",
         "best",
         "config_sha256",

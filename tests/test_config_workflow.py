@@ -529,3 +529,58 @@ def test_listeners_keep_their_state_across_processes_and_collate_fn_batches_data
     assert record["functions"]["listeners"] == ["CountBatches"]
     assert record["functions"]["collate_fn"] == "config.collate_fn"
     assert record["data"] == {"inputs": [[3], "float32"], "targets": [[], "int64"]}
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        (
+            "\n\ndef data_fn(chunk_id, seed):\n    x, y = _chunk(chunk_id, seed, 16).tensors\n"
+            "    return TensorDataset(x, y.float())\n",
+            "the loss (loss_fn) fails on the model's outputs float32 (2, 4) and targets float32",
+        ),
+        (
+            "\n\ndef metrics_fn():\n    return {'broken': lambda o, t: 1 / 0}\n",
+            "the metric 'broken' (broken) fails on the model's outputs float32 (2, 4)",
+        ),
+    ],
+)
+def test_a_loss_or_metric_that_fails_on_the_outputs_is_one_line(tmp_path, capsys, tail, message):
+    (tmp_path / "c.py").write_text(CONFIG + tail)
+    args = ["update", "--config-file", tmp_path / "c.py", "--output-state", tmp_path / "s"]
+    assert main([*map(str, args), *COMMON]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_evaluate_and_shift_accept_a_changed_config_when_told(tmp_path, config, state, capsys):
+    config.write_text(CONFIG.replace("seed + 99", "seed + 98"))  # other test data
+    args = ["evaluate", "--config-file", str(config), "--state", str(state)]
+    assert main(args) == 2
+    assert "written with another config file" in capsys.readouterr().err
+    assert main([*args, "--accept-config-change"]) == 0
+    import numpy as np
+
+    np.savez(tmp_path / "a.npz", inputs=np.random.default_rng(0).normal(size=(20, 7)))
+    shift = ["shift", "--reference", str(tmp_path / "a.npz"), "--query", str(tmp_path / "a.npz")]
+    shift += ["--state", str(state), "--config-file", str(config), "--accept-config-change"]
+    assert main(shift) == 2
+    err = capsys.readouterr().err
+    assert "--reference: the state folder's model does not accept its samples (float32 (7,))" in err
+    assert err.count("\n") == 1
+
+
+def test_the_mode_follows_the_metric_unless_given():
+    model = torch.nn.Linear(4, 2)
+    assert ModelUpdater(model, metric="val_accuracy").mode == "max"
+    assert ModelUpdater(model, metric="val_loss").mode == "min"
+    assert ModelUpdater(model, metric="val_accuracy", mode="min").mode == "min"
+    with pytest.raises(ValueError, match=r"ModelUpdater\.metrics must be a mapping"):
+        ModelUpdater(model, metrics=[1, 2])
+
+
+def test_update_takes_an_inputs_and_targets_pair():
+    updater = _updater(torch.nn.Linear(4, 2))
+    inputs, targets = _data().tensors
+    assert updater.update((inputs, targets)).steps == 4 * 6

@@ -183,3 +183,47 @@ def test_a_search_with_the_same_seed_repeats_exactly(files):
     assert (files / "a" / "search.csv").read_text() == (files / "b" / "search.csv").read_text()
     weights = [(files / name / "model.safetensors").read_bytes() for name in ("a", "b")]
     assert weights[0] == weights[1]
+
+
+def test_a_search_continues_from_a_state_whose_optimizer_came_from_optimizer_fn(files):
+    (files / "c.py").write_text(
+        CONFIG + "\n\ndef optimizer_fn(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
+    )
+    (files / "space.toml").write_text(
+        'learner = "er"\nepochs = 2\nalpha = {low = 0.1, high = 1.0}\n'
+    )
+    assert _search(files, files / "s0", 2) == 0
+    assert _search(files, files / "s1", 2, "--input-state", files / "s0") == 0
+    (files / "space.toml").write_text(
+        "alpha = {low = 0.1, high = 1.0}\nlr = {low = 0.01, high = 1.0}\n"
+    )
+    assert _search(files, files / "s2", 2, "--input-state", files / "s1") == 2
+
+
+def test_a_failed_trial_in_the_storage_does_not_count(files):
+    storage = f"sqlite:///{files / 'search.db'}"
+    study = optuna.create_study(storage=storage, study_name="day-0")
+    study.tell(study.ask(), state=optuna.trial.TrialState.FAIL)  # an interrupted trial
+    assert (
+        _search(files, files / "a", 2, "--search-storage", storage, "--search-study", "day-0") == 0
+    )
+    rows = _rows(files / "a")
+    assert rows[0]["state"] == "FAIL" and len(rows) == 3
+    assert (float(rows[1]["alpha"]), float(rows[1]["lr"])) == (1.0, 1e-3)  # the current settings
+
+
+@pytest.mark.parametrize(
+    ("extra", "config_tail", "message"),
+    [
+        (["--metric", "val_f1"], "", "--metric 'val_f1' is not reported by validation"),
+        ([], "\n\ndef data_fn(chunk_id, seed):\n    return _chunk(chunk_id, seed, 64)\n",
+         "--search compares trials by val_loss, a validation metric"),
+    ],
+)  # fmt: skip
+def test_search_checks_the_metric_before_any_trial(files, capsys, extra, config_tail, message):
+    (files / "c.py").write_text(CONFIG + config_tail)
+    storage = f"sqlite:///{files / 'search.db'}"
+    assert _search(files, files / "out", 2, "--search-storage", storage, *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (files / "out").exists() and not (files / "search.db").exists()
