@@ -584,3 +584,75 @@ def test_update_takes_an_inputs_and_targets_pair():
     updater = _updater(torch.nn.Linear(4, 2))
     inputs, targets = _data().tensors
     assert updater.update((inputs, targets)).steps == 4 * 6
+
+
+TRANSFORM_CONFIG = """
+import torch
+from torch.utils.data import TensorDataset
+
+from renate_events import transforms
+
+SEEN = []
+
+
+def model_fn():
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
+
+
+def _chunk(chunk_id, seed, n):
+    g = torch.Generator().manual_seed(10 * chunk_id + seed)
+    x = torch.randint(0, 256, (n, 3, 4, 4), generator=g, dtype=torch.uint8)
+    return TensorDataset(x, (x[:, 0, 0, 0] > 127).long())
+
+
+def data_fn(chunk_id, seed):
+    return _chunk(chunk_id, seed, 32), _chunk(chunk_id, seed + 1, 8)
+
+
+def _recording(transform, name):
+    def apply(batch):
+        SEEN.append((name, batch.dtype))
+        return transform(batch)
+
+    return apply
+
+
+def train_transform():
+    return _recording(transforms.ToFloat(), "train")
+
+
+def buffer_transform():
+    return _recording(transforms.Compose([transforms.RandomHorizontalFlip(), transforms.ToFloat()]),
+                      "buffer")
+
+
+def test_transform():
+    return _recording(transforms.ToFloat(), "test")
+"""
+
+
+def test_a_config_files_transforms_make_the_float_input_from_uint8_data(tmp_path, capsys):
+    config = tmp_path / "images.py"
+    config.write_text(TRANSFORM_CONFIG)
+    first = ["update", "--config-file", config, "--output-state", tmp_path / "s0"]
+    assert main([*map(str, first), *LEARNER, *COMMON]) == 0
+    later = ["update", "--config-file", config, "--input-state", tmp_path / "s0"]
+    assert main([*map(str, later), "--output-state", str(tmp_path / "s1"), "--no-progress"]) == 0
+    assert main(["evaluate", "--config-file", str(config), "--state", str(tmp_path / "s1")]) == 0
+    assert "chunk 1: accuracy" in capsys.readouterr().out
+    functions = read_manifest(tmp_path / "s1")["history"][1]["functions"]
+    assert set(functions) >= {"train_transform", "buffer_transform", "test_transform"}
+    updater = ModelUpdater.from_config(
+        config,
+        learner="der",
+        learner_kwargs={"memory_size": 20, "memory_batch_size": 8, "batch_size": 16, "seed": 0},
+        trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+        input_state_folder=tmp_path / "s1",
+    )
+    buffer = updater.learner_instance.buffer
+    assert buffer.state_dict()["inputs"][0].dtype == torch.uint8  # the raw sample is stored
+    seen = updater.config_file.functions["model_fn"].__globals__["SEEN"]
+    updater.update(*updater.config_file.data(2, 0))
+    # every transform got the raw uint8 batches: new data, memory batches, validation
+    assert {name for name, dtype in seen if dtype == torch.uint8} == {"train", "buffer", "test"}
+    assert all(dtype == torch.uint8 for _, dtype in seen)
