@@ -461,7 +461,7 @@ class BaseExperienceReplayLearner:
         reports ``val_loss`` and ``val_accuracy``.
         """
         if resume_from is None:  # a resumed update was checked when it started
-            self._check_data(train_data)
+            self.check_data(train_data)
         train_loader = self._loader(train_data, shuffle=True)
         val_loader = None if val_data is None else self._loader(val_data, shuffle=False)
         optimizer = self._make_optimizer()
@@ -499,8 +499,12 @@ class BaseExperienceReplayLearner:
             path, model=self.model, optimizer=optimizer, scheduler=scheduler
         )
 
-    def _check_data(self, data: Any) -> None:
-        """Reject empty data and labels outside the model's outputs before anything trains."""
+    def check_data(self, data: Any) -> None:
+        """Reject empty data and labels outside the model's outputs before anything trains.
+
+        ``fit`` calls it first; :class:`~renate_events.updater.ModelUpdater` calls it before an
+        update, with its other checks. Raises ``ValueError`` naming what is wrong.
+        """
         try:
             size = len(data)
         except TypeError:
@@ -1141,7 +1145,7 @@ class JointLearner(BaseExperienceReplayLearner):
             raise RuntimeError("JointLearner has no buffer")
         try:
             if resume_from is None:
-                self._check_data(train_data)
+                self.check_data(train_data)
                 self._add_update_data(train_data)
                 if self.reset_model:
                     for module in self.model.modules():
@@ -1420,8 +1424,8 @@ class GDumbLearner(JointLearner):
             )
         super().__attrs_post_init__()
 
-    def _check_data(self, data: Any) -> None:
-        super()._check_data(data)
+    def check_data(self, data: Any) -> None:
+        super().check_data(data)
         tensors = getattr(data, "tensors", None)
         if not isinstance(tensors, tuple) or len(tensors) != 2 or not len(data):
             return

@@ -772,7 +772,7 @@ class ModelUpdater:
             with torch.no_grad():
                 outputs = self._forward_probe(model, inputs, what)
                 try:
-                    learner._check_data(data)  # empty data, labels outside the model's outputs
+                    learner.check_data(data)  # empty data, labels outside the outputs
                 except ValueError as exc:
                     raise UpdateInputError(f"{what}: {exc}") from None
                 targets = to_device(targets, outputs.device)
