@@ -75,11 +75,14 @@ def test_gpu_check_dry_run_runs_every_section():
 
 def test_shift_detection_writes_its_page(tmp_path):
     page = tmp_path / "shift_detection.md"
-    _run("shift_detection.py", "--trials", "10", "--permutations", "20", "--markdown", str(page))
+    _run(
+        "shift_detection.py", "--trials", "10", "--permutations", "20", "--largest", "250",
+        "--markdown", str(page),
+    )  # fmt: skip
     text = page.read_text(encoding="utf-8")
     for heading in ("## Calibration", "## Power", "## Cost"):
         assert heading in text
-    assert "| class-proportion shift | 0.9 |" in text
+    assert "| class-proportion shift | 0.9 |" in text and "| 250 |" in text
 
 
 def test_search_benchmark_writes_its_page(tmp_path):
