@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from renate_events.config import ConfigError, ConfigFile, load_config
+from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.scenarios import SCENARIOS
 from renate_events.search import SearchSpaceError
@@ -1162,19 +1163,13 @@ def _metric_means(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs, targets = data.tensors
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics}
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(targets), 256):
-                batch = targets[start : start + 256].to(device)
-                outputs = forward(model, inputs[start : start + 256].to(device))
-                for name, metric in metrics.items():
-                    value = torch.as_tensor(metric(outputs, batch), device=device)
-                    sums[name] += value.double().mean() * len(batch)
-    finally:
-        for module, training in modes:
-            module.train(training)
+    with inference(model):
+        for start in range(0, len(targets), 256):
+            batch = targets[start : start + 256].to(device)
+            outputs = forward(model, inputs[start : start + 256].to(device))
+            for name, metric in metrics.items():
+                value = torch.as_tensor(metric(outputs, batch), device=device)
+                sums[name] += value.double().mean() * len(batch)
     return {name: float(total) / len(targets) for name, total in sums.items()}
 
 
@@ -1345,19 +1340,13 @@ def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
     from renate_events.learners import forward
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
     predicted = []
-    try:
-        with torch.no_grad():
-            for task in tasks:
-                inputs = task.test.tensors[0]
-                for start in range(0, len(inputs), 256):
-                    logits = forward(model, inputs[start : start + 256].to(device))
-                    predicted.append(logits.argmax(dim=-1).cpu())
-    finally:
-        for module, training in modes:
-            module.train(training)
+    with inference(model):
+        for task in tasks:
+            inputs = task.test.tensors[0]
+            for start in range(0, len(inputs), 256):
+                logits = forward(model, inputs[start : start + 256].to(device))
+                predicted.append(logits.argmax(dim=-1).cpu())
     return torch.cat(predicted)
 
 
@@ -2099,19 +2088,14 @@ def _check_extractor(
 ) -> None:
     """The state's model on two of the samples: a mismatch is one line, with the shapes."""
     sample = data.tensors[0][:2]
-    modes = [(module, module.training) for module in extractor.modules()]
-    extractor.eval()
     try:
-        with torch.no_grad():
+        with inference(extractor):
             extractor(sample)
     except Exception as exc:
         raise UsageError(
             f"{flag}: the state folder's model does not accept its samples (float32 "
             f"{tuple(sample.shape[1:])}): {type(exc).__name__}: {_one_line(exc)}"
         ) from None
-    finally:
-        for module, training in modes:
-            module.train(training)
 
 
 class _ModuleOutput(torch.nn.Module):

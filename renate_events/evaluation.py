@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -61,6 +62,7 @@ __all__ = [
     "evaluate",
     "forgetting",
     "forward_transfer",
+    "inference",
     "micro_average_accuracy",
     "model_regression_metrics",
     "regression_metrics",
@@ -132,14 +134,22 @@ def evaluate(
                 "test and classes), such as the items of scenario.tasks()"
             )
     target_device = _device(model, device)
+    with inference(model):
+        return [
+            _accuracy(model, task, index, mode, batch_size, target_device)
+            for index, task in enumerate(tasks)
+        ]
+
+
+@contextlib.contextmanager
+def inference(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in eval mode without gradients, then give every submodule back the
+    train/eval mode it had (also when the block raises)."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            return [
-                _accuracy(model, task, index, mode, batch_size, target_device)
-                for index, task in enumerate(tasks)
-            ]
+            yield
     finally:
         for module, training in modes:
             module.training = training

@@ -271,15 +271,10 @@ class ShiftDetectorWithFeatureExtractor(ShiftDetector):
     def _extract(self, inputs: Any) -> torch.Tensor:
         if self.feature_extractor is None:
             return super()._extract(inputs)
-        extractor = self.feature_extractor
-        modes = [(module, module.training) for module in extractor.modules()]
-        extractor.eval()
-        try:
-            with torch.no_grad():
-                features = extractor(to_device(inputs, torch.device(self.device)))
-        finally:
-            for module, training in modes:
-                module.train(training)
+        from renate_events.evaluation import inference
+
+        with inference(self.feature_extractor):
+            features = self.feature_extractor(to_device(inputs, torch.device(self.device)))
         return features.reshape(len(features), -1).double()
 
 
