@@ -1,7 +1,8 @@
 """Tests of trainer.distributed: sharding, rank-aware listeners, and real 2-process gloo runs.
 
-The multi-process tests start two processes with ``torch.multiprocessing`` (spawn) on a free
-port of 127.0.0.1; each writes what it observed to a JSON or safetensors file in ``tmp_path``.
+The multi-process tests start two processes with ``torch.multiprocessing`` on a free port of
+127.0.0.1, forked from a server that imported torch once (``tests.helpers.fresh_processes``);
+each writes what it observed to a JSON or safetensors file in ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from renate_events.learners import ExperienceReplayLearner, FineTuningLearner
+from tests.helpers import fresh_processes
 from trainer import CheckpointMismatchError, TensorLoader, Trainer
 from trainer.checkpoint import read_checkpoint
 from trainer.distributed import DistributedContext, RankFailedError
@@ -152,12 +154,13 @@ def _entry(rank: int, port: int, scenario: str, folder: str, options: dict[str, 
 def _spawn(scenario: str, folder: str, **options: Any) -> tuple[list[dict[str, Any]], float]:
     """Run ``scenario`` on two ranks; return their reports and the wall time."""
     started = time.monotonic()
+    fresh_processes()  # the fork server's preloaded modules
     context = mp.start_processes(
         _entry,
         args=(_free_port(), scenario, str(folder), options),
         nprocs=WORLD,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     try:
         while not context.join(timeout=1):

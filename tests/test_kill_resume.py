@@ -3,27 +3,18 @@ ends bit for bit where the uninterrupted run ends (model, optimizer, buffer, com
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import assert_same_tree
+from tests.helpers import assert_same_tree, run_in_fresh_process
+from tests.scripts.killable_run import main
 from trainer import read_checkpoint
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "killable_run.py"
 
 
 def _run(out, kill_task=-1, kill_step=0):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), str(kill_task), str(kill_step)],
-        cwd=ROOT,
-        timeout=300,
-    ).returncode
+    """The run in a process of its own (forked from a server that imported torch once)."""
+    return run_in_fresh_process(main, str(out), kill_task, kill_step)
 
 
 @pytest.fixture(scope="module")

@@ -3,52 +3,41 @@
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
+from tests.helpers import run_in_fresh_process
 from trainer import read_checkpoint
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    from torch.utils.data import TensorDataset
-    from renate_events.updater import ModelUpdater
-
-    learner, first, last, input_folder, output_folder = sys.argv[1:6]
+def _updates(learner, first, last, input_folder, output_folder):
+    """Updates ``first..last-1`` in this process, from ``input_folder`` (None: the first)."""
+    torch.set_num_threads(1)
     torch.manual_seed(123)  # the model's initial weights (replaced by the input folder's)
     model = torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
     updater = ModelUpdater(
-        model, learner=learner,
+        model,
+        learner=learner,
         learner_kwargs={"memory_size": 24, "memory_batch_size": 8, "batch_size": 8, "seed": 5},
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
         trainer_kwargs={"max_epochs": 2, "device": "cpu"},
-        input_state_folder=None if input_folder == "-" else input_folder,
+        input_state_folder=input_folder,
         output_state_folder=output_folder,
     )
-    for task in range(int(first), int(last)):
+    for task in range(first, last):
         g = torch.Generator().manual_seed(task)
         x = torch.randn(40, 5, generator=g)
         y = torch.randint(2 * task, 2 * task + 2, (40,), generator=g)
         updater.update(TensorDataset(x, y), task_id=f"task-{task}")
-    """
-)
 
 
-def _run(tmp_path, *args):
-    script = tmp_path / "update.py"
-    script.write_text(SCRIPT)
-    subprocess.run(
-        [sys.executable, str(script), *map(str, args)], check=True, cwd=ROOT, timeout=300
-    )
+def _run(learner, first, last, input_folder, output_folder):
+    """The updates in a process of their own, which shares nothing with the others."""
+    code = run_in_fresh_process(_updates, learner, first, last, input_folder, output_folder)
+    assert code == 0
 
 
 def _flat(tree, prefix=""):
@@ -65,10 +54,10 @@ def _flat(tree, prefix=""):
 @pytest.mark.slow
 @pytest.mark.parametrize("learner", ["der", "cls-er"])
 def test_k_updates_in_k_processes_equal_one_process(tmp_path, learner):
-    _run(tmp_path, learner, 0, 3, "-", tmp_path / "single")
-    _run(tmp_path, learner, 0, 1, "-", tmp_path / "s1")
-    _run(tmp_path, learner, 1, 2, tmp_path / "s1", tmp_path / "s2")
-    _run(tmp_path, learner, 2, 3, tmp_path / "s2", tmp_path / "s3")
+    _run(learner, 0, 3, None, tmp_path / "single")
+    _run(learner, 0, 1, None, tmp_path / "s1")
+    _run(learner, 1, 2, tmp_path / "s1", tmp_path / "s2")
+    _run(learner, 2, 3, tmp_path / "s2", tmp_path / "s3")
     single = read_checkpoint(tmp_path / "single" / "learner.safetensors")
     chained = read_checkpoint(tmp_path / "s3" / "learner.safetensors")
     for section in ("model", "listeners"):
