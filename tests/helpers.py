@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 # Modules every child of the fork server needs: importing torch alone takes ~2.5 s, which a
 # test starting ten processes would otherwise pay ten times.
-_PRELOAD = ["torch", "safetensors.torch", "renate_events.learners", "renate_events.updater"]
+_PRELOAD = ["torch", "safetensors.torch", "renate_events.updater", "renate_events.cli"]
 
 
 def fresh_processes() -> Any:
@@ -36,6 +41,42 @@ def run_in_fresh_process(target: Callable[..., Any], *args: Any, timeout: float 
         process.join()
         raise AssertionError(f"{target.__name__}{args} did not finish within {timeout} s")
     return process.exitcode
+
+
+def _cli_main(args: list[str], cwd: str | None, env: dict[str, str], out: str, err: str) -> None:
+    torch.set_num_threads(1)  # as this process (tests/conftest.py): bit-equal convolutions
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    from renate_events.cli import main
+
+    with (
+        open(out, "w") as stdout,
+        open(err, "w") as stderr,
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        try:
+            code = main(args)
+        except BaseException:  # what the console script would print, then exit 1
+            traceback.print_exc()
+            code = 1
+    sys.exit(code)
+
+
+def run_cli(
+    *args: Any, cwd: Any = None, env: dict[str, str] | None = None, timeout: float = 300
+) -> tuple[int, str, str]:
+    """``renate-events ARGS`` in a process of its own (see :func:`fresh_processes`), as a user
+    runs it: (exit status, stdout, stderr)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        where = None if cwd is None else str(cwd)
+        code = run_in_fresh_process(
+            _cli_main, [str(a) for a in args], where, dict(env or {}), out, err, timeout=timeout
+        )
+        with open(out) as stdout, open(err) as stderr:
+            return code, stdout.read(), stderr.read()
 
 
 def make_data(n: int = 48, features: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:

@@ -134,16 +134,21 @@ def test_bad_data_file_is_a_one_line_error(tmp_path, capsys):
     assert code == 2 and "is not a readable .npz file" in capsys.readouterr().err
 
 
-def test_console_script_help_for_every_subcommand():
-    for command in ([], ["run"], ["update"], ["evaluate"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "renate_events.cli", *command, "--help"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0 and "usage: renate-events" in done.stdout
-        assert "example" in done.stdout.lower()
+def test_console_script_help_for_every_subcommand(capsys):
+    done = subprocess.run(  # the module as a console script, once
+        [sys.executable, "-m", "renate_events.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "usage: renate-events" in done.stdout
+    assert "example" in done.stdout.lower()
+    for command in (["run"], ["update"], ["evaluate"], ["shift"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert exited.value.code == 0 and "usage: renate-events" in out, command
+        assert "example" in out.lower(), command
 
 
 def test_run_reports_flip_rates_consistent_with_the_accuracy_matrix(tmp_path):

@@ -23,6 +23,7 @@ from renate_events.updater import (
     UpdateInputError,
     read_manifest,
 )
+from tests.helpers import run_cli
 
 CONFIG = """
 import torch
@@ -77,14 +78,7 @@ def config(tmp_path):
 
 def _cli(*args, cwd=None):
     """The command in a process of its own: (exit status, stdout, stderr)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "renate_events.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
-    return done.returncode, done.stdout, done.stderr
+    return run_cli(*args, cwd=cwd)
 
 
 def _listing(folder):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import safetensors.torch
@@ -17,6 +15,7 @@ from renate_events import evaluation
 from renate_events.cli import _ChunkTask, _for_evaluation
 from renate_events.config import load_config
 from renate_events.updater import ModelUpdater, dataset_tensors, read_manifest
+from tests.helpers import run_cli
 from tests.test_cifar import write_cifar10
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,17 +25,12 @@ SETTINGS += ["--batch-size", "16", "--epochs", "1", "--device", "cpu", "--no-pro
 
 
 def _cli(*args, env=None):
-    done = subprocess.run(
-        [sys.executable, "-m", "renate_events.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        # one thread, as this process has (tests/conftest.py): convolutions sum in another
-        # order with another thread count, so the weights would differ in the last bits
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    """The command in a process of its own, with one thread as this process has
+    (tests/conftest.py): convolutions sum in another order with another thread count, so the
+    weights would differ in the last bits."""
+    code, stdout, stderr = run_cli(*args, env=env, timeout=600)
+    assert code == 0, stderr[-2000:]
+    return stdout
 
 
 def _python_api(config_path, env, chunks):
