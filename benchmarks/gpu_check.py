@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device; nothing to check")
         return 0
     dry = device.type == "cpu"
+    if dry:  # the code paths only: small batches keep the CPU's bf16 emulation short
+        global BATCH, MEMORY
+        BATCH, MEMORY = 16, 200
     steps = args.steps or (8 if dry else 200)
     rounds = args.rounds or (1 if dry else 5)
     if steps < 3 or rounds < 1:
