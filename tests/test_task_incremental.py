@@ -18,6 +18,7 @@ from renate_events.learners import (
 )
 from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
 from renate_events.scenarios import Task
+from renate_events.updater import ModelUpdater, StateFolderError, UpdateInputError
 from trainer import Trainer
 from trainer.validators import WrongTypeError
 
@@ -164,6 +165,35 @@ def test_checkpoint_round_trip_keeps_the_task_ids(tmp_path) -> None:
     fresh.fit(_task_data(2))
     stored, written = _slot_ids(fresh.buffer)
     assert torch.equal(stored, written) and set(stored.tolist()) == {0, 1, 2}
+
+
+def test_state_folders_keep_the_task_ids(tmp_path) -> None:
+    def two_heads() -> MultiHeadClassificationModel:
+        model = _model()
+        for task_id in (0, 1):  # every task's head up front: a state folder records the heads
+            model.add_task_params(task_id)
+        return model
+
+    settings = {
+        "learner": "er",
+        "learner_kwargs": {"memory_size": 64, "memory_batch_size": 8},
+        "trainer_kwargs": {"device": "cpu", "max_epochs": 1},
+    }
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    ModelUpdater(two_heads(), output_state_folder=first, **settings).update(_task_data(0))
+    updater = ModelUpdater(
+        two_heads(), input_state_folder=first, output_state_folder=second, **settings
+    )
+    assert _slot_ids(updater.learner_instance.buffer)[0].tolist() == [0] * 16
+    with pytest.raises(UpdateInputError, match="buffer holds task ids"):
+        updater.update(TensorDataset(*_task_data(1).tensors[:2]))
+    updater.update(_task_data(1))
+    reloaded = ModelUpdater(two_heads(), input_state_folder=second, **settings).learner_instance
+    stored, written = _slot_ids(reloaded.buffer)
+    assert torch.equal(stored, written) and stored.tolist() == [0] * 16 + [1] * 16
+    assert _same(_state(reloaded.model), _state(updater.learner_instance.model))
+    with pytest.raises(StateFolderError, match=r"the folder has parameter 'heads\.0\.bias'"):
+        ModelUpdater(_model(), input_state_folder=second, **settings).learner_instance  # noqa: B018
 
 
 # -- evaluation ---------------------------------------------------------------------------------
