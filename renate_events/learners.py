@@ -696,17 +696,22 @@ class BaseExperienceReplayLearner:
             self._check_heads(self.model, torch.unique(task_ids).tolist(), name)
 
     def _check_components_take_task_ids(self, name: str) -> None:
-        """CLS-ER and LwF forward model copies of their own, without task ids: refused."""
+        """CLS-ER's and LwF's model copies and EWC's Fisher pass call the model without task
+        ids: refused."""
         for key, component in self.components.items():
-            own_copies = isinstance(component, WeightedCLSLossComponent) and component.weight > 0
-            own_copies |= (
+            calls_model = isinstance(component, WeightedCLSLossComponent) and component.weight > 0
+            calls_model |= (
                 isinstance(component, LearningWithoutForgettingComponent) and component.alpha > 0
             )
-            if own_copies:
+            calls_model |= (
+                isinstance(component, ElasticWeightConsolidationComponent)
+                and component.ewc_lambda > 0
+            )
+            if calls_model:
                 raise ValueError(
-                    f"{name}: the component {key!r} ({type(component).__name__}) forwards model "
-                    "copies of its own without task ids, so it cannot train on task-incremental "
-                    "data; choose another learner or give (inputs, targets) data"
+                    f"{name}: the component {key!r} ({type(component).__name__}) calls the model "
+                    "(or copies of it) on its own, without task ids, so it cannot train on "
+                    "task-incremental data; choose another learner or give (inputs, targets) data"
                 )
 
     def _check_heads(

@@ -11,6 +11,7 @@ from renate_events.evaluation import evaluate
 from renate_events.learners import (
     CLSExperienceReplayLearner,
     DarkExperienceReplayLearner,
+    ElasticWeightConsolidationLearner,
     ExperienceReplayLearner,
     FineTuningLearner,
     JointLearner,
@@ -329,7 +330,12 @@ def test_models_learners_and_buffers_that_cannot_carry_task_ids() -> None:
     with pytest.raises(ValueError, match="buffer was filled without task ids"):
         untagged.fit(_task_data(1))
     _unchanged(untagged, before)
-    for cls, message in ((CLSExperienceReplayLearner, "cls_loss"), (JointLearner, "no task ids")):
+    refused = (
+        (CLSExperienceReplayLearner, "cls_loss"),
+        (ElasticWeightConsolidationLearner, "'ewc'"),
+        (JointLearner, "no task ids"),
+    )
+    for cls, message in refused:
         learner = _learner(cls)
         with pytest.raises(ValueError, match=message):
             learner.fit(_task_data(0))
