@@ -124,6 +124,32 @@ def test_memory_batch_goes_through_its_own_heads(memory_forward: str) -> None:
     assert not torch.allclose(loss.detach(), (new + all_head1) / 2)
 
 
+class _Tagged(torch.nn.Module):
+    """A single-head model of one's own whose forward takes ``task_id``: records what it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(FEATURES, 2)
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor, task_id: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls.append((x[:, 0].long(), task_id))
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("memory_forward", ["separate", "concatenated"])
+def test_any_model_taking_task_id_gets_the_ids_of_new_and_memory_batches(memory_forward) -> None:
+    model = _Tagged()
+    learner = _learner(DarkExperienceReplayLearner, model=model, memory_forward=memory_forward)
+    learner.fit(_task_data(0))
+    learner.fit(_task_data(1))
+    training = [(written, ids) for written, ids in model.calls if len(written) > 1]
+    assert len(training) >= 4
+    for written, ids in training:  # the first feature of every sample holds its task id
+        assert ids is not None and ids.dtype == torch.int64 and torch.equal(ids, written)
+    assert any(set(ids.tolist()) == {0, 1} for _, ids in training)  # a mixed memory batch
+
+
 def test_der_stores_and_replays_the_logits_of_each_head() -> None:
     learner = _learner(DarkExperienceReplayLearner)
     learner.fit(_task_data(0))
