@@ -41,12 +41,14 @@ def _task_data(task_id: int, n: int = 16, seed: int = 0) -> TensorDataset:
 
 
 def _learner(cls=ExperienceReplayLearner, model=None, **kwargs):
-    settings = {"memory_size": 64, "memory_batch_size": 8, "batch_size": 8, **kwargs}
-    return cls(
-        model=_model() if model is None else model,
-        trainer=Trainer(max_epochs=1, device="cpu"),
-        **settings,
-    )
+    settings = {
+        "memory_size": 64,
+        "memory_batch_size": 8,
+        "batch_size": 8,
+        "trainer": Trainer(max_epochs=1, device="cpu"),
+        **kwargs,
+    }
+    return cls(model=_model() if model is None else model, **settings)
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,6 +194,49 @@ def test_checkpoint_round_trip_keeps_the_task_ids(tmp_path) -> None:
     fresh.fit(_task_data(2))
     stored, written = _slot_ids(fresh.buffer)
     assert torch.equal(stored, written) and set(stored.tolist()) == {0, 1, 2}
+
+
+class _SaveThenCrash:
+    """Saves at the batch_end of step 7 of an update and dies at the next batch_start."""
+
+    def __init__(self, path) -> None:
+        self.path, self.armed = path, False
+
+    def on_batch_end(self, trainer, state) -> None:
+        if self.armed and state.global_step == 7:
+            trainer.save_checkpoint(self.path)
+
+    def on_batch_start(self, state) -> None:
+        if self.armed and state.global_step == 7:
+            raise KeyboardInterrupt
+
+
+def test_resume_mid_update_with_heads_is_bit_identical(tmp_path) -> None:
+    tasks = [_task_data(0, n=40), _task_data(1, n=40)]
+
+    def setup(trainer=None, heads=()):
+        model = _model()
+        for task_id in heads:
+            model.add_task_params(task_id)
+        trainer = Trainer(max_epochs=2, device="cpu") if trainer is None else trainer
+        return _learner(ExperienceReplayLearner, model=model, memory_size=30, trainer=trainer)
+
+    reference = setup()
+    for task in tasks:
+        reference.fit(task)
+    trainer = Trainer(max_epochs=2, device="cpu")
+    crash = _SaveThenCrash(tmp_path / "mid.safetensors")
+    trainer.subscribe(crash, priority=10, name="crash")
+    crashed = setup(trainer)
+    crashed.fit(tasks[0])
+    crash.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(tasks[1])
+    resumed = setup(heads=(0,))  # the heads of earlier updates, as for any load
+    resumed.fit(tasks[1], resume_from=tmp_path / "mid.safetensors")
+    assert resumed.model.task_ids == (0, 1)
+    assert _same(_state(resumed.model), _state(reference.model))
+    assert _same(resumed.buffer.state_dict()["metadata"], reference.buffer.state_dict()["metadata"])
 
 
 def test_state_folders_keep_the_task_ids(tmp_path) -> None:
