@@ -244,11 +244,17 @@ class MultiHeadClassificationModel(nn.Module):
                 f"MultiHeadClassificationModel: the heads of tasks {present} have different "
                 f"numbers of outputs {sorted(sizes)}; call the model once per task id instead"
             )
-        outputs = features.new_empty(len(features), sizes.pop() if sizes else 0)
-        for t, head in heads.items():
-            mask = task_ids == t
-            outputs[mask] = head(features[mask])
-        return outputs
+        if len(heads) == 1:  # one task in the batch: its head on every sample
+            return next(iter(heads.values()))(features)
+        if not heads:
+            return features.new_empty(0, 0)
+        # Every present head on the whole batch, then each sample's row of its own head: no
+        # further synchronisation (a boolean selection per head would need one each); a head
+        # gets the gradient of its own samples only.
+        outputs = torch.stack([head(features) for head in heads.values()])
+        position = torch.searchsorted(torch.tensor(present, device=task_ids.device), task_ids)
+        index = position.view(1, -1, 1).expand(1, -1, outputs.shape[-1])
+        return outputs.gather(0, index).squeeze(0)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
