@@ -572,9 +572,15 @@ class BaseExperienceReplayLearner:
         _check_task_ids(tensors[2], len(tensors[1]), "the training data's task ids")
         if not isinstance(model, MultiHeadClassificationModel):
             return []
-        added = [t for t in torch.unique(tensors[2]).tolist() if str(t) not in model.heads]
-        for task_id in added:
-            model.add_task_params(task_id)
+        missing = [t for t in torch.unique(tensors[2]).tolist() if str(t) not in model.heads]
+        added: list[int] = []
+        try:
+            for task_id in missing:
+                model.add_task_params(task_id)
+                added.append(task_id)
+        except BaseException:
+            self._remove_heads(added)
+            raise
         return added
 
     def _remove_heads(self, task_ids: Sequence[int]) -> None:
