@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.learners import forward
+from renate_events.learners import _takes_task_id, forward
 from trainer import validators
 from trainer.data import to_device
 
@@ -95,6 +95,11 @@ def evaluate(
     * ``"class-incremental"``: the prediction is the argmax over all logits.
     * ``"task-incremental"``: the task is known at test time; logits of classes outside
       ``task.classes`` are set to ``-inf`` before the argmax. Never lower than class-incremental.
+      A model whose forward takes a ``task_id`` (a
+      :class:`~renate_events.models.MultiHeadClassificationModel`, Renate's ``RenateModule``) is
+      called as ``model(x, task_id=task.task_id)``: each test sample goes through the head of
+      its task, whose logits are then masked to ``task.classes`` as above (a head of one output
+      per class of the task, with labels ``0..k-1``, has nothing masked).
 
     Args:
         model: Maps a batch of inputs to logits ``(batch, num_classes)``; called as ``model(x)``,
@@ -112,7 +117,9 @@ def evaluate(
 
     Raises:
         ValueError: Unknown ``mode``, bad ``batch_size``, an empty test set, logits that are not
-            ``(batch, num_classes)``, or task classes outside the logits (task-incremental).
+            ``(batch, num_classes)``, task classes outside the logits (task-incremental), or a
+            multi-head model without a head for a task (add one for every task before
+            evaluating: ``model.add_task_params(task.task_id)``).
 
     Example:
         >>> import torch
@@ -134,6 +141,8 @@ def evaluate(
                 "test and classes), such as the items of scenario.tasks()"
             )
     target_device = _device(model, device)
+    if mode == "task-incremental":
+        _check_heads(model, tasks)
     with inference(model):
         return [
             _accuracy(model, task, index, mode, batch_size, target_device)
@@ -167,13 +176,16 @@ def _device(model: nn.Module, device: str | torch.device | None) -> torch.device
 def _accuracy(
     model: nn.Module, task: Any, index: int, mode: str, batch_size: int, device: torch.device
 ) -> float:
-    name = f"task {getattr(task, 'task_id', index)}"
+    task_id = getattr(task, "task_id", index)
+    name = f"task {task_id}"
     correct = torch.zeros((), dtype=torch.int64, device=device)
     total = 0
     allowed: torch.Tensor | None = None
+    # Task-incremental: through the task's own head, when the model takes a task id.
+    head = task_id if mode == "task-incremental" and _takes_task_id(model) else None
     for inputs, targets in _batches(task.test, batch_size, name):
         targets = targets.to(device)
-        logits = forward(model, to_device(inputs, device))
+        logits = forward(model, to_device(inputs, device), head)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(
@@ -194,6 +206,22 @@ def _accuracy(
     if total == 0:
         raise ValueError(f"evaluate ({name}): the test set is empty; accuracy is undefined")
     return correct.item() / total
+
+
+def _check_heads(model: nn.Module, tasks: Sequence[Any]) -> None:
+    """A multi-head model needs a head for every task it is evaluated on (task-incremental)."""
+    heads = getattr(model, "task_ids", None)
+    if not (_takes_task_id(model) and isinstance(heads, tuple)):
+        return
+    ids = [getattr(task, "task_id", index) for index, task in enumerate(tasks)]
+    missing = [task_id for task_id in ids if task_id not in heads]
+    if missing:
+        raise ValueError(
+            f"evaluate: task-incremental evaluation runs each task's test set through its own "
+            f"head, but tasks {missing} have none (heads exist for {list(heads)}); add a head "
+            "for every task before evaluating, e.g. model.add_task_params(task.task_id) for "
+            "each task right after building the model"
+        )
 
 
 def _batches(data: Any, batch_size: int, name: str) -> Iterator[tuple[Any, torch.Tensor]]:

@@ -10,6 +10,7 @@ components.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
@@ -38,6 +39,7 @@ from renate_events.memory import (
     InfiniteBuffer,
     ReservoirBuffer,
 )
+from renate_events.models import MultiHeadClassificationModel
 from trainer import FitResult, TensorLoader, Trainer, validators
 from trainer.data import to_device
 
@@ -60,14 +62,46 @@ __all__ = [
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
+def forward(model: nn.Module, inputs: Any, task_id: Any = None) -> torch.Tensor:
     """Call ``model`` on inputs: ``model(x)``, ``model(*x)`` for a tuple/list, ``model(**x)`` for
-    a dict (the same convention the CLS component uses for its model copies)."""
+    a dict (the same convention the CLS component uses for its model copies).
+
+    A ``task_id`` that is not None (an int, or an ``int64`` tensor of one id per sample) is passed
+    as the keyword ``task_id``, Renate's ``RenateModule.forward(x, task_id)``:
+    ``model(x, task_id=ids)``.
+    """
+    extra = {} if task_id is None else {"task_id": task_id}
     if isinstance(inputs, Mapping):
-        return model(**inputs)
+        return model(**inputs, **extra)
     if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+        return model(*inputs, **extra)
+    return model(inputs, **extra)
+
+
+def _takes_task_id(model: nn.Module) -> bool:
+    """Whether ``model.forward`` declares a ``task_id`` parameter (as Renate's
+    ``RenateModule.forward(x, task_id)`` and :class:`MultiHeadClassificationModel` do)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+    return "task_id" in parameters
+
+
+def _check_task_ids(task_ids: Any, size: int, where: str) -> None:
+    """``task_ids`` must be an ``int64`` tensor of shape ``(size,)`` (shape and dtype only, no
+    synchronisation)."""
+    if not isinstance(task_ids, torch.Tensor):
+        raise validators.WrongTypeError(
+            f"{where} must be an int64 tensor of one task id per sample, got "
+            f"{type(task_ids).__name__}"
+        )
+    if task_ids.dtype != torch.int64 or task_ids.shape != (size,):
+        raise ValueError(
+            f"{where} must be an int64 tensor of shape ({size},), one task id per sample, got "
+            f"dtype {task_ids.dtype} and shape {tuple(task_ids.shape)}; convert them with "
+            "torch.as_tensor(ids, dtype=torch.int64)"
+        )
 
 
 def _samples_independent(model: nn.Module) -> bool:
@@ -122,14 +156,29 @@ def _derived_seed(seed: int, stream: int) -> int:
 
 
 def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+    """``(inputs, targets)`` of a batch that carries no task ids."""
+    inputs, targets, task_ids = _unpack_task(batch)
+    if task_ids is not None:
+        raise TypeError(
+            "this learner trains on batches of (inputs, targets); got a batch with task ids "
+            "(inputs, targets, task_ids). Drop the third tensor, or use a learner that carries "
+            "task ids (docs: 'Task-incremental training with heads')"
+        )
+    return inputs, targets
+
+
+def _unpack_task(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """``(inputs, targets, task_ids)`` of a batch ``(inputs, targets)`` (task ids None) or
+    ``(inputs, targets, task_ids)``."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return batch[0], batch[1], (batch[2] if len(batch) == 3 else None)
     shape = f"a {type(batch).__name__}" + (
         f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""
     )
     raise TypeError(
-        f"learners train on batches of (inputs, targets); got {shape}. Give fit() a dataset "
-        "whose items are (inputs, target) pairs, or a loader yielding such batches"
+        f"learners train on batches of (inputs, targets) or (inputs, targets, task_ids); got "
+        f"{shape}. Give fit() a dataset whose items are (inputs, target) pairs (or triples with "
+        "an int64 task id), or a loader yielding such batches"
     )
 
 
@@ -147,6 +196,24 @@ class _Passes(NamedTuple):
     outputs_memory: torch.Tensor | None = None
     features_memory: list[torch.Tensor] | None = None
     fused: bool = False
+
+
+def _joined_task_ids(
+    task_ids: torch.Tensor | None, task_ids_memory: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The task ids of ``[new; memory]``: both batches carry them or neither does."""
+    if task_ids is None and task_ids_memory is None:
+        return None
+    if task_ids is None or task_ids_memory is None:
+        which = (
+            "the new batch has none, the buffer's samples have"
+            if task_ids is None
+            else ("the new batch has them, the buffer's samples have none")
+        )
+        raise ValueError(
+            f"task ids: {which}; give every update (inputs, targets, task_ids) data, or none"
+        )
+    return torch.cat([task_ids, task_ids_memory])
 
 
 def _metric_functions(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -381,6 +448,8 @@ class BaseExperienceReplayLearner:
     _samples_on_storage: bool = attrs.field(init=False, default=False)
     _weights: torch.Tensor | None = attrs.field(init=False, default=None)
     _weights_key: tuple[Any, ...] | None = attrs.field(init=False, default=None)
+    # Heads fit added for new task ids, until on_train_start notes them for undo.
+    _added_heads: list[int] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         # A preset's own components first; the given ones after them, or in their place.
@@ -459,26 +528,65 @@ class BaseExperienceReplayLearner:
         checkpoints; a ``TensorDataset`` is batched by indexing its tensors
         (:class:`trainer.TensorLoader`), any other dataset through a ``DataLoader``. Validation
         reports ``val_loss`` and ``val_accuracy``.
+
+        Items ``(inputs, target, task_id)`` (a ``TensorDataset`` of three tensors, the task ids
+        ``int64``) are task-incremental data: the model is called as ``model(x, task_id=ids)``
+        on new and memory batches, the buffer stores each sample's task id, and a
+        :class:`~renate_events.models.MultiHeadClassificationModel` gets a head for every new
+        task id before the optimizer is made (docs: "Task-incremental training with heads").
         """
         if resume_from is None:  # a resumed update was checked when it started
             self.check_data(train_data)
-        train_loader = self._loader(train_data, shuffle=True)
-        val_loader = None if val_data is None else self._loader(val_data, shuffle=False)
-        optimizer = self._make_optimizer()
-        scheduler = None
-        if self.learning_rate_scheduler is not None:
-            scheduler = self.learning_rate_scheduler(optimizer)
-        return self.trainer.fit(
-            self.model,
-            optimizer,
-            train_loader,
-            self.training_step,
-            val_loader=val_loader,
-            val_step=self.validation_step,
-            scheduler=scheduler,
-            scheduler_interval=self.learning_rate_scheduler_interval,
-            resume_from=resume_from,
-        )
+        self._added_heads = self._add_task_heads(train_data)
+        try:
+            train_loader = self._loader(train_data, shuffle=True)
+            val_loader = None if val_data is None else self._loader(val_data, shuffle=False)
+            optimizer = self._make_optimizer()
+            scheduler = None
+            if self.learning_rate_scheduler is not None:
+                scheduler = self.learning_rate_scheduler(optimizer)
+            return self.trainer.fit(
+                self.model,
+                optimizer,
+                train_loader,
+                self.training_step,
+                val_loader=val_loader,
+                val_step=self.validation_step,
+                scheduler=scheduler,
+                scheduler_interval=self.learning_rate_scheduler_interval,
+                resume_from=resume_from,
+            )
+        except BaseException:
+            self._remove_heads(self._added_heads)  # when the fit failed before train_start
+            raise
+        finally:
+            self._added_heads = []
+
+    def _add_task_heads(self, data: Any) -> list[int]:
+        """Add a head (of the model's ``num_outputs``) for every task id of a three-tensor
+        dataset that has none, for a :class:`MultiHeadClassificationModel`; the ids added."""
+        tensors = getattr(data, "tensors", None)
+        model = self.model
+        if not (isinstance(tensors, tuple) and len(tensors) == 3):
+            return []
+        _check_task_ids(tensors[2], len(tensors[1]), "the training data's task ids")
+        if not isinstance(model, MultiHeadClassificationModel):
+            return []
+        missing = [t for t in torch.unique(tensors[2]).tolist() if str(t) not in model.heads]
+        added: list[int] = []
+        try:
+            for task_id in missing:
+                model.add_task_params(task_id)
+                added.append(task_id)
+        except BaseException:
+            self._remove_heads(added)
+            raise
+        return added
+
+    def _remove_heads(self, task_ids: Sequence[int]) -> None:
+        heads = cast(MultiHeadClassificationModel, self.model).heads if task_ids else None
+        for task_id in task_ids:
+            cast(nn.ModuleDict, heads).pop(str(task_id))
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write the whole learner (model, optimizer, buffer, components, progress) to ``path``."""
@@ -514,9 +622,12 @@ class BaseExperienceReplayLearner:
                 f"{type(self).__name__}.fit got an empty training set; pass data for the update"
             )
         tensors = getattr(data, "tensors", None)
-        if not isinstance(tensors, tuple) or len(tensors) != 2:
+        if not isinstance(tensors, tuple) or len(tensors) not in (2, 3):
             return
-        inputs, targets = tensors
+        inputs, targets = tensors[:2]
+        task_ids = tensors[2] if len(tensors) == 3 else None
+        self._check_task_data(task_ids, len(targets))
+        self._check_against_buffer(inputs, targets)
         if targets.dtype.is_floating_point or targets.dim() != 1:
             return  # not class labels
         was_training = self.model.training
@@ -526,7 +637,7 @@ class BaseExperienceReplayLearner:
                 probe = inputs[:1].to(_model_device(self.model))
                 with self._rng_kept(probe):
                     probe = self._transformed("train_transform", probe, 1)
-                classes = self._forward(probe).shape[-1]
+                classes = self._probe_classes(probe, task_ids)
         finally:
             self.model.train(was_training)
         low, high = int(targets.min()), int(targets.max())
@@ -535,6 +646,105 @@ class BaseExperienceReplayLearner:
                 f"the training labels range over [{low}, {high}], but the model has {classes} "
                 f"outputs (labels 0..{classes - 1}); widen the model's last layer or remap the "
                 "labels"
+            )
+
+    def _check_against_buffer(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """A sample of the data against the buffer's storage (shape and dtype of inputs and
+        targets), before a forward pass could change the model (batch-norm statistics)."""
+        buffer = self.buffer
+        if buffer is None or len(buffer) == 0:
+            return
+        slot = torch.zeros(1, dtype=torch.int64, device=buffer.device)
+        stored = {key: buffer.get_metadata(key, slot) for key in buffer.metadata_keys}
+        buffer.check_batch(inputs[:1], targets[:1], stored)
+
+    def _probe_classes(self, probe: Any, task_ids: torch.Tensor | None) -> int:
+        """The model's outputs for ``probe`` (through the head of the first sample's task id; a
+        head still to be added has the model's ``num_outputs``)."""
+        if task_ids is None:
+            return self._forward(probe).shape[-1]
+        model, first = self.model, int(task_ids[0])
+        if isinstance(model, MultiHeadClassificationModel) and str(first) not in model.heads:
+            return cast(int, model.num_outputs)
+        return self._forward(probe, task_ids[:1].to(_model_device(model))).shape[-1]
+
+    def _check_task_data(self, task_ids: torch.Tensor | None, size: int) -> None:
+        """Task ids of a dataset (or their absence) against the model, the components, the
+        buffer and the heads, before anything changes."""
+        held = self.buffer is not None and len(self.buffer) > 0
+        stored = held and "task_id" in cast(DataBuffer, self.buffer).metadata_keys
+        if task_ids is None:
+            if stored:
+                raise ValueError(
+                    f"{type(self).__name__}: the buffer holds task ids (earlier updates were "
+                    "task-incremental), but this data has none; give (inputs, targets, task_ids)"
+                )
+            return
+        name = f"{type(self).__name__}.fit: the training data's task ids (third tensor)"
+        _check_task_ids(task_ids, size, name)
+        if not _takes_task_id(self.model):
+            raise ValueError(
+                f"{name}: the model's forward takes no task_id argument, so the ids cannot "
+                "reach it; use renate_events.models.MultiHeadClassificationModel (or a forward(x, "
+                "task_id)), or give (inputs, targets) data"
+            )
+        if held and not stored:
+            raise ValueError(
+                f"{name}: the buffer was filled without task ids (earlier updates gave (inputs, "
+                "targets)), so its samples could not reach their heads; start from an empty "
+                "buffer or give (inputs, targets) data"
+            )
+        low, high = int(task_ids.min()), int(task_ids.max())
+        if low < 0 or high > 10**9:
+            raise ValueError(f"{name} must lie in [0, 10**9], got ids in [{low}, {high}]")
+        self._check_components_take_task_ids(name)
+        if isinstance(self.model, MultiHeadClassificationModel):
+            self._check_heads(self.model, torch.unique(task_ids).tolist(), name)
+
+    def _check_components_take_task_ids(self, name: str) -> None:
+        """CLS-ER's and LwF's model copies and EWC's Fisher pass call the model without task
+        ids: refused."""
+        for key, component in self.components.items():
+            calls_model = isinstance(component, WeightedCLSLossComponent) and component.weight > 0
+            calls_model |= (
+                isinstance(component, LearningWithoutForgettingComponent) and component.alpha > 0
+            )
+            calls_model |= (
+                isinstance(component, ElasticWeightConsolidationComponent)
+                and component.ewc_lambda > 0
+            )
+            if calls_model:
+                raise ValueError(
+                    f"{name}: the component {key!r} ({type(component).__name__}) calls the model "
+                    "(or copies of it) on its own, without task ids, so it cannot train on "
+                    "task-incremental data; choose another learner or give (inputs, targets) data"
+                )
+
+    def _check_heads(
+        self, model: MultiHeadClassificationModel, task_ids: Sequence[int], name: str
+    ) -> None:
+        """The heads of ``task_ids`` can exist (added with ``num_outputs``, by an optimizer
+        factory) and all heads have one size (batches mix tasks; stored logits share a width)."""
+        missing = [t for t in task_ids if str(t) not in model.heads]
+        if missing and model.num_outputs is None:
+            raise ValueError(
+                f"{name}: task ids {missing} have no head and the model has no num_outputs to "
+                f"add one with (heads exist for {list(model.task_ids)}); add them with "
+                "model.add_task_params(task_id, num_outputs) or build the model with num_outputs"
+            )
+        if missing and isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"{name}: task ids {missing} need new heads, which an optimizer instance would "
+                "not train; pass an optimizer factory f(parameters) (the default), or add the "
+                "heads before building the optimizer"
+            )
+        sizes = {int(head.out_features) for head in model.heads.values()}
+        sizes |= {cast(int, model.num_outputs)} if missing else set()
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{name}: the heads have different numbers of outputs {sorted(sizes)}; a batch "
+                "mixes the samples of several tasks and the buffer stores one width of logits, "
+                "so every head needs the same number of outputs"
             )
 
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
@@ -575,9 +785,11 @@ class BaseExperienceReplayLearner:
     def _step(self, batch: Any) -> dict[str, Any]:
         """Forward the new batch (with the first memory batch where they share a pass), then add
         the components' losses on memory batches."""
-        raw_inputs, raw_targets = _unpack(batch)
+        raw_inputs, raw_targets, task_ids = _unpack_task(batch)
         if not self._batch_checked:
             self._check_buffer_transforms(raw_inputs, raw_targets)
+            if task_ids is not None:
+                _check_task_ids(task_ids, len(raw_targets), "a batch's task ids (third item)")
         inputs = self._transformed("train_transform", raw_inputs, len(raw_targets))
         targets = self._transformed("train_target_transform", raw_targets, len(raw_targets))
         # In a distributed fit the trainer's DistributedDataParallel wrapper, so that the
@@ -585,14 +797,14 @@ class BaseExperienceReplayLearner:
         net = self.trainer.training_model
         net = self.model if net is None else net
         replay = self._replay_ready()
-        passes = self._forward_new_and_memory(net, inputs, replay)
+        passes = self._forward_new_and_memory(net, inputs, replay, task_ids)
         if passes.fused:
-            return self._fused_step(inputs, targets, passes, (raw_inputs, raw_targets))
+            return self._fused_step(inputs, targets, passes, (raw_inputs, raw_targets, task_ids))
         outputs, features = passes.outputs, passes.features
         logits = outputs
         if self.mask_unused_classes:
             logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
-        self._check_first_batch(raw_inputs, raw_targets, outputs, features)
+        self._check_first_batch(raw_inputs, raw_targets, outputs, features, task_ids=task_ids)
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:
             loss = self._memory_losses(net, loss, passes)
@@ -611,16 +823,20 @@ class BaseExperienceReplayLearner:
         buffer = self.buffer
         return buffer is not None and bool(self.components) and len(buffer) >= self._memory_batch()
 
-    def _forward_new_and_memory(self, net: nn.Module, inputs: Any, replay: bool) -> _Passes:
+    def _forward_new_and_memory(
+        self, net: nn.Module, inputs: Any, replay: bool, task_ids: torch.Tensor | None = None
+    ) -> _Passes:
         """Run the model on the new batch and, in the same pass, on the step's first memory
-        batch (with ``memory_forward`` concatenating, when the two batches stack)."""
+        batch (with ``memory_forward`` concatenating, when the two batches stack); task ids, if
+        the data carries them, go with both (the memory batch's from the buffer)."""
         if not (replay and self._concatenate and isinstance(inputs, torch.Tensor)):
-            return _Passes(forward(net, inputs), self._features())
+            return _Passes(forward(net, inputs, task_ids), self._features())
         batch_memory = self._sample_memory(inputs.device)
         inputs_memory = batch_memory[0][0]
         if not _stackable(inputs, inputs_memory):  # left to separate passes and their checks
-            return _Passes(forward(net, inputs), self._features(), batch_memory)
-        both, features_both = self._concatenated_forward(net, inputs, inputs_memory)
+            return _Passes(forward(net, inputs, task_ids), self._features(), batch_memory)
+        both_ids = _joined_task_ids(task_ids, batch_memory[1].get("task_id"))
+        both, features_both = self._concatenated_forward(net, inputs, inputs_memory, both_ids)
         fused = self._fused
         if fused is not None and fused.weight > 0 and both.dim() == 2 and len(inputs):
             return _Passes(both, features_both, batch_memory, fused=True)
@@ -644,7 +860,8 @@ class BaseExperienceReplayLearner:
                 if i > 0 or batch_memory is None:
                     batch_memory = self._sample_memory(passes.outputs.device)
                 if i > 0 or outputs_memory is None:
-                    outputs_memory = forward(net, batch_memory[0][0])
+                    ids = batch_memory[1].get("task_id")  # each sample through its own head
+                    outputs_memory = forward(net, batch_memory[0][0], ids)
                     features_memory = self._features()
                 self._ema_update(batch_memory, outputs_memory)
             loss = loss + _mean(component.loss(outputs_memory, batch_memory, features_memory))
@@ -718,18 +935,26 @@ class BaseExperienceReplayLearner:
         targets: torch.Tensor,
         outputs: torch.Tensor,
         features: Sequence[torch.Tensor],
+        *,
+        task_ids: torch.Tensor | None = None,
     ) -> None:
         """Once per update, before anything trains: the batch must fit the buffer's storage."""
         if not self._batch_checked and self.buffer is not None:
-            self.buffer.check_batch(inputs, targets, self._metadata(outputs, features))
+            metadata = self._metadata(outputs, features, task_ids)
+            self.buffer.check_batch(inputs, targets, metadata)
 
     def _concatenated_forward(
-        self, net: nn.Module, inputs: torch.Tensor, inputs_memory: torch.Tensor
+        self,
+        net: nn.Module,
+        inputs: torch.Tensor,
+        inputs_memory: torch.Tensor,
+        task_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Forward ``[inputs; inputs_memory]`` once; check that outputs and features can be split
-        at the seam (the batch is their first dimension)."""
+        """Forward ``[inputs; inputs_memory]`` once (with the task ids of both, if any); check
+        that outputs and features can be split at the seam (the batch is their first
+        dimension)."""
         n, total = inputs.shape[0], inputs.shape[0] + inputs_memory.shape[0]
-        outputs = forward(net, torch.cat([inputs, inputs_memory]))
+        outputs = forward(net, torch.cat([inputs, inputs_memory]), task_ids)
         features = self._features()
         for i, feature in enumerate([outputs, *features]):
             if not isinstance(feature, torch.Tensor) or feature.dim() == 0 or len(feature) != total:
@@ -749,7 +974,7 @@ class BaseExperienceReplayLearner:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         passes: _Passes,
-        raw: tuple[Any, torch.Tensor],
+        raw: tuple[Any, torch.Tensor, torch.Tensor | None],
     ) -> Any:
         """The step's loss as one cross-entropy over ``[new; memory]`` (see :meth:`_fusable`).
 
@@ -764,7 +989,7 @@ class BaseExperienceReplayLearner:
         both, batch_memory = passes.outputs, passes.batch_memory
         n, m = len(inputs), len(both) - len(inputs)
         outputs, outputs_memory = both.detach().split([n, m])
-        self._check_first_batch(raw[0], raw[1], outputs, [])
+        self._check_first_batch(raw[0], raw[1], outputs, [], task_ids=raw[2])
         self._ema_update(batch_memory, outputs_memory)
         (_, targets_memory), _ = batch_memory
         weight, weight_memory = self.loss_weight, cast(Component, self._fused).weight
@@ -852,8 +1077,8 @@ class BaseExperienceReplayLearner:
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
-        inputs, targets = _unpack(batch)
-        outputs = self._forward(self._transformed("test_transform", inputs, len(targets)))
+        inputs, targets, task_ids = _unpack_task(batch)
+        outputs = self._forward(self._transformed("test_transform", inputs, len(targets)), task_ids)
         reported = {
             "loss": self.loss_fn(outputs, targets).mean(),
             "accuracy": (outputs.argmax(dim=-1) == targets).float().mean(),
@@ -866,8 +1091,8 @@ class BaseExperienceReplayLearner:
         limit = self.memory_size if self.memory_size > 0 else self.memory_batch_size
         return min(self.memory_batch_size, limit)
 
-    def _forward(self, inputs: Any) -> torch.Tensor:
-        return forward(self.model, inputs)
+    def _forward(self, inputs: Any, task_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return forward(self.model, inputs, task_ids)
 
     def _features(self) -> list[torch.Tensor]:
         return [] if self._recorder is None else list(self._recorder.representations)
@@ -902,6 +1127,9 @@ class BaseExperienceReplayLearner:
             isinstance(buffer, DataBuffer) and buffer.samples_on_storage_device
         )
         self._undo = []
+        added, self._added_heads = self._added_heads, []
+        if added:  # the heads fit added for new task ids go again if no batch trains
+            self._undo.append(functools.partial(self._remove_heads, added))
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer."""
@@ -918,14 +1146,19 @@ class BaseExperienceReplayLearner:
             action()
 
     def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
-        inputs, targets = _unpack(batch)
-        metadata = self._metadata(outputs["logits"], outputs["features"])
+        inputs, targets, task_ids = _unpack_task(batch)
+        metadata = self._metadata(outputs["logits"], outputs["features"], task_ids)
         cast(DataBuffer, self.buffer).update(inputs, targets, metadata)
 
     @staticmethod
     def _metadata(
-        logits: torch.Tensor, features: Sequence[torch.Tensor]
+        logits: torch.Tensor,
+        features: Sequence[torch.Tensor],
+        task_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
+        """What the buffer stores beside each sample: ``logits``, the intermediate
+        representations and, for task-incremental data, ``task_id`` (so that a replayed sample
+        goes through its own head)."""
         # detach() and float() dispatch even on a tensor they would return as it is.
         if logits.requires_grad:
             logits = logits.detach()
@@ -934,6 +1167,8 @@ class BaseExperienceReplayLearner:
         metadata = {"logits": logits}
         for i, feature in enumerate(features):
             metadata[f"intermediate_representation_{i}"] = feature.detach()
+        if task_ids is not None:
+            metadata["task_id"] = task_ids
         return metadata
 
     def on_save_checkpoint(self, checkpoint: Any) -> None:
@@ -1156,6 +1391,18 @@ class JointLearner(BaseExperienceReplayLearner):
             self._drop_update_data()  # when the fit failed before train_start noted it
             raise
 
+    def check_data(self, data: Any) -> None:
+        """As the base learner's; data with task ids (three tensors) is refused: the buffer's
+        dataset, which this learner trains on, yields ``(inputs, targets)``."""
+        tensors = getattr(data, "tensors", None)
+        if isinstance(tensors, tuple) and len(tensors) == 3:
+            raise ValueError(
+                f"{type(self).__name__} trains on its buffer's (inputs, targets) samples, which "
+                "carry no task ids; give (inputs, targets) data, or use a replay learner (er, "
+                "der, ...) for task-incremental data"
+            )
+        super().check_data(data)
+
     def _add_update_data(self, data: Any) -> None:
         """Add the update's data to the buffer; with an :class:`InfiniteBuffer`, note where it
         starts, so that an update failing before any of its batches trained takes it back."""
@@ -1192,6 +1439,8 @@ class JointLearner(BaseExperienceReplayLearner):
         targets: torch.Tensor,
         outputs: torch.Tensor,
         features: Sequence[torch.Tensor],
+        *,
+        task_ids: torch.Tensor | None = None,
     ) -> None:
         """Nothing to check: the batches come from the buffer's own storage."""
 
@@ -1364,11 +1613,13 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         try:
             with torch.no_grad():
                 for batch in self._loader(data, shuffle=False):
-                    inputs, targets = _unpack(batch)
+                    inputs, targets, task_ids = _unpack_task(batch)
                     shown = to_device(inputs, device)
                     shown = self._transformed("test_transform", shown, len(targets))
-                    logits = forward(model, shown)
-                    buffer.update(inputs, targets, self._metadata(logits, self._features()))
+                    ids = None if task_ids is None else task_ids.to(device)
+                    logits = forward(model, shown, ids)
+                    metadata = self._metadata(logits, self._features(), task_ids)
+                    buffer.update(inputs, targets, metadata)
         finally:
             for module, training in modes:
                 module.training = training

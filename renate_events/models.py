@@ -113,6 +113,9 @@ class MultiHeadClassificationModel(nn.Module):
         in_features: Features per sample, the inputs of every head.
         feature_module_names: Submodules (dotted names) worth distilling or recording.
         architecture: A short description (recorded in state folders' ``model.json``).
+        num_outputs: Outputs of a head added without a size (``add_task_params(task_id)``, as a
+            learner does for the new task ids of its data); :meth:`from_model` takes the dropped
+            head's. None: every head needs its size.
 
     Example:
         >>> import torch
@@ -130,9 +133,13 @@ class MultiHeadClassificationModel(nn.Module):
         in_features: int,
         feature_module_names: Sequence[str] = (),
         architecture: str = "multi-head",
+        num_outputs: int | None = None,
     ) -> None:
         super().__init__()
         check_int("MultiHeadClassificationModel.in_features", in_features, 1)
+        if num_outputs is not None:
+            check_int("MultiHeadClassificationModel.num_outputs", num_outputs, 1)
+        self.num_outputs = num_outputs
         self.backbone = backbone
         self.heads = nn.ModuleDict()
         self.in_features = in_features
@@ -143,7 +150,8 @@ class MultiHeadClassificationModel(nn.Module):
     @classmethod
     def from_model(cls, model: ClassificationModel) -> MultiHeadClassificationModel:
         """The backbone of a zoo model (shared, not copied) with no heads yet; its single
-        ``head`` must be an ``nn.Linear`` and is dropped."""
+        ``head`` must be an ``nn.Linear`` and is dropped (its number of outputs becomes
+        :attr:`num_outputs`, the size of heads added without one)."""
         if not isinstance(model, ClassificationModel) or not isinstance(model.head, nn.Linear):
             raise WrongTypeError(
                 "MultiHeadClassificationModel.from_model needs a ClassificationModel with a "
@@ -154,6 +162,7 @@ class MultiHeadClassificationModel(nn.Module):
             model.head.in_features,
             model.feature_module_names,
             f"multi-head {model.architecture}",
+            model.head.out_features,
         )
 
     @property
@@ -161,10 +170,19 @@ class MultiHeadClassificationModel(nn.Module):
         """The task ids that have a head, sorted."""
         return tuple(sorted(int(key) for key in self.heads))
 
-    def add_task_params(self, task_id: int, num_outputs: int) -> None:
-        """Add a fresh linear head for ``task_id`` with ``num_outputs`` logits (a no-op if the
-        task already has a head of that size); its device and dtype follow the backbone's."""
+    def add_task_params(self, task_id: int, num_outputs: int | None = None) -> None:
+        """Add a fresh linear head for ``task_id`` with ``num_outputs`` logits (default
+        :attr:`num_outputs`; a no-op if the task already has a head of that size); its device and
+        dtype follow the backbone's."""
         check_int("MultiHeadClassificationModel.task_id", task_id, 0, 10**9)
+        if num_outputs is None:
+            if self.num_outputs is None:
+                raise ValueError(
+                    f"MultiHeadClassificationModel.add_task_params({task_id}): no num_outputs "
+                    "given and the model has no default; pass num_outputs or build the model "
+                    "with num_outputs=... (from_model takes the zoo model's classes)"
+                )
+            num_outputs = self.num_outputs
         check_int("MultiHeadClassificationModel.num_outputs", num_outputs, 1)
         key = str(task_id)
         if key in self.heads:
@@ -226,11 +244,17 @@ class MultiHeadClassificationModel(nn.Module):
                 f"MultiHeadClassificationModel: the heads of tasks {present} have different "
                 f"numbers of outputs {sorted(sizes)}; call the model once per task id instead"
             )
-        outputs = features.new_empty(len(features), sizes.pop() if sizes else 0)
-        for t, head in heads.items():
-            mask = task_ids == t
-            outputs[mask] = head(features[mask])
-        return outputs
+        if len(heads) == 1:  # one task in the batch: its head on every sample
+            return next(iter(heads.values()))(features)
+        if not heads:
+            return features.new_empty(0, 0)
+        # Every present head on the whole batch, then each sample's row of its own head: no
+        # further synchronisation (a boolean selection per head would need one each); a head
+        # gets the gradient of its own samples only.
+        outputs = torch.stack([head(features) for head in heads.values()])
+        position = torch.searchsorted(torch.tensor(present, device=task_ids.device), task_ids)
+        index = position.view(1, -1, 1).expand(1, -1, outputs.shape[-1])
+        return outputs.gather(0, index).squeeze(0)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

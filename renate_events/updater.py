@@ -77,6 +77,7 @@ from renate_events.learners import (
     OfflineExperienceReplayLearner,
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
+    _takes_task_id,
     forward,
 )
 from renate_events.memory import (
@@ -748,7 +749,7 @@ class ModelUpdater:
         """One forward pass on a sample, and the sample shapes against the earlier updates'."""
         if not isinstance(data, Dataset):
             return None  # a loader or iterable: checked batch by batch by the trainer
-        inputs, targets = _first_batch(data, self.collate_fn, what)
+        inputs, targets, task_ids = _first_batch(data, self.collate_fn, what)
         signature = _sample_signature(inputs, targets)
         earlier = [r["data"] for r in self._manifest_now()["history"] if r.get("data")]
         if earlier and earlier[-1] != signature:
@@ -756,8 +757,20 @@ class ModelUpdater:
                 f"{what}: its samples are {_shown(signature)}, but the state was trained on "
                 f"samples of {_shown(earlier[-1])}; give data of the same shape and dtype"
             )
-        self._probe(learner, inputs, targets, what, data)
+        if task_ids is not None or _takes_task_id(learner.model):
+            # Task ids (or their absence) first: the learner checks them against the model, the
+            # heads (fit adds those of new ids) and the buffer, and the labels.
+            self._check_data(learner, data, what)
+        if task_ids is None:
+            self._probe(learner, inputs, targets, what, data)
         return signature
+
+    @staticmethod
+    def _check_data(learner: BaseExperienceReplayLearner, data: Any, what: str) -> None:
+        try:
+            learner.check_data(data)  # empty data, labels outside the outputs, task ids
+        except ValueError as exc:
+            raise UpdateInputError(f"{what}: {exc}") from None
 
     def _probe(
         self, learner: BaseExperienceReplayLearner, inputs: Any, targets: Any, what: str, data: Any
@@ -771,10 +784,7 @@ class ModelUpdater:
         try:
             with torch.no_grad():
                 outputs = self._forward_probe(model, inputs, what)
-                try:
-                    learner.check_data(data)  # empty data, labels outside the outputs
-                except ValueError as exc:
-                    raise UpdateInputError(f"{what}: {exc}") from None
+                self._check_data(learner, data, what)
                 targets = to_device(targets, outputs.device)
                 self._call_probe("loss_fn", learner.loss_fn, outputs, targets, what, "the loss")
                 for name, metric in self.metrics.items():
@@ -1134,10 +1144,12 @@ def _scheduler_interval(config: ConfigFile) -> str:
     return "epoch" if scheduler is None else scheduler[1]
 
 
-def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, Any]:
+def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, Any, Any]:
+    """Two samples' inputs and targets, and their task ids for a ``TensorDataset`` of three
+    tensors (task-incremental data; None otherwise)."""
     tensors = getattr(data, "tensors", None)
-    if isinstance(tensors, tuple) and len(tensors) == 2:
-        return tensors[0][:2], tensors[1][:2]
+    if isinstance(tensors, tuple) and len(tensors) in (2, 3):
+        return tensors[0][:2], tensors[1][:2], (tensors[2][:2] if len(tensors) == 3 else None)
     try:
         batch = next(iter(DataLoader(data, batch_size=2, shuffle=False, collate_fn=collate_fn)))
     except StopIteration:
@@ -1146,7 +1158,7 @@ def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, A
         raise UpdateInputError(
             f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"
         )
-    return batch[0], batch[1]
+    return batch[0], batch[1], None
 
 
 def _pair_as_dataset(value: Any, name: str) -> Any:

@@ -375,8 +375,8 @@ def test_mask_unused_classes_masks_classes_absent_from_this_update():
 
 def test_batches_that_are_not_pairs_get_a_clear_error():
     learner = FineTuningLearner(model=_model(), trainer=Trainer(max_epochs=1, device="cpu"))
-    with pytest.raises(TypeError, match=r"batches of \(inputs, targets\); got a list of 3 items"):
-        learner.fit([[torch.randn(2, 6), torch.tensor([0, 1]), torch.zeros(2)]])
+    with pytest.raises(TypeError, match=r"\(inputs, targets, task_ids\); got a list of 4 items"):
+        learner.fit([[torch.randn(2, 6), torch.tensor([0, 1]), torch.zeros(2), torch.zeros(2)]])
 
 
 def test_bad_input_is_refused_before_any_parameter_changes():
