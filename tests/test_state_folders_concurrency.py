@@ -7,11 +7,8 @@ read succeeds, and the folder ends with exactly the updates that reported succes
 
 from __future__ import annotations
 
-import multiprocessing
+import concurrent.futures
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,8 +21,8 @@ from renate_events.updater import (
     StateFolderConflictError,
     read_manifest,
 )
+from tests.helpers import fresh_processes, run_cli
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROUNDS = 30
 READS_PER_ROUND = 3
 
@@ -83,7 +80,7 @@ def _reader(state, barrier, results):
 def test_two_writers_and_a_reader_lose_nothing(tmp_path):
     state = str(tmp_path / "s")
     _updater(output_state_folder=state).update(_data(-1), task_id="start")
-    context = multiprocessing.get_context("spawn")
+    context = fresh_processes()
     barrier, results = context.Barrier(3), context.Queue()
     processes = [
         context.Process(target=_writer, args=(state, "a", barrier, results)),
@@ -128,28 +125,19 @@ def test_two_concurrent_cli_updates_lose_nothing(tmp_path):
     safetensors.torch.save_file(
         {"inputs": torch.rand(32, 8), "targets": torch.randint(0, 4, (32,))}, str(data)
     )
-    command = [sys.executable, "-m", "renate_events.cli", "update", "--input-state", str(state)]
-    command += ["--data", str(data), "--output-state", str(state), "--in-place", "--no-progress"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = ["update", "--input-state", state, "--data", data, "--output-state", state]
+    command += ["--in-place", "--no-progress"]
     succeeded = 0
     for trial in range(3):
-        processes = [
-            subprocess.Popen(
-                [*command, "--task-id", f"{trial}-{i}"],
-                cwd=ROOT,
-                env=environment,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(2)
-        ]
-        for process in processes:
-            _, err = process.communicate(timeout=300)
-            if process.returncode == 0:
+        # two commands at once, each in a process of its own
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run_cli, *command, "--task-id", f"{trial}-{i}") for i in range(2)]
+            outcomes = [run.result() for run in runs]
+        for code, _, err in outcomes:
+            if code == 0:
                 succeeded += 1
             else:
-                assert process.returncode == 2, err
+                assert code == 2, err
                 assert len(err.strip().splitlines()) == 1 and "changed by another update" in err
         manifest = read_manifest(state)
         assert manifest["updates"] == 1 + succeeded
