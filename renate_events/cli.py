@@ -46,6 +46,7 @@ from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
     BUFFERS,
     LEARNERS,
+    OPTIMIZERS,
     ModelUpdater,
     StagedStateFolder,
     StateFolderError,
@@ -112,7 +113,14 @@ def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
     )
     p.add_argument("--epochs", type=int, default=default(10), help="epochs per update" + keeps % 10)
     p.add_argument(  # None: 1e-3, or what the input state or the config's optimizer_fn has
-        "--lr", type=float, default=None, help="Adam learning rate" + keeps % "1e-3"
+        "--lr", type=float, default=None, help="learning rate" + keeps % "1e-3"
+    )
+    p.add_argument(  # None: adam, or the input state's; --momentum is SGD's only
+        "--optimizer", choices=list(OPTIMIZERS), default=None, help="optimizer" + keeps % "adam"
+    )
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum" + keeps % 0)
+    p.add_argument(  # None: torch's default of the optimizer
+        "--weight-decay", type=float, default=None, help="weight decay" + keeps % "torch's"
     )
     p.add_argument(
         "--batch-size", type=int, default=default(32), help="new-data batch" + keeps % 32
@@ -562,6 +570,9 @@ class _RunOptions:
     memory_size: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
     epochs: int = attrs.field(validator=checks.int_at_least(1))
     lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
+    optimizer: str | None = attrs.field(validator=_optional(checks.one_of(*OPTIMIZERS)))
+    momentum: float | None = attrs.field(validator=_optional(checks.real_in_range(0.0)))
+    weight_decay: float | None = attrs.field(validator=_optional(checks.real_in_range(0.0)))
     batch_size: int = attrs.field(validator=checks.int_at_least(1))
     memory_batch_size: int = attrs.field(validator=checks.int_at_least(1))
     device: str = attrs.field(validator=_device)
@@ -598,6 +609,9 @@ class _UpdateOptions:
     memory_size: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
     epochs: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
     lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
+    optimizer: str | None = attrs.field(validator=_optional(checks.one_of(*OPTIMIZERS)))
+    momentum: float | None = attrs.field(validator=_optional(checks.real_in_range(0.0)))
+    weight_decay: float | None = attrs.field(validator=_optional(checks.real_in_range(0.0)))
     batch_size: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
     memory_batch_size: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
     device: str | None = attrs.field(validator=_optional(_device))
@@ -962,6 +976,7 @@ def _updater_from_folder(
 # -- config files: the settings of an update ------------------------------------------------------
 
 _TRAINING = ("learner", "buffer", "memory_size", "epochs", "lr", "batch_size", "memory_batch_size")
+_OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
 _FIRST_UPDATE = {"memory_size": 200, "batch_size": 32, "memory_batch_size": 32}
 _NO_MEMORY = ("fine-tuning", "joint", "ewc", "lwf")  # memory-free unless --memory-size is given
 _DISTILLING = ("pod-er", "super-er")  # learners that need feature_modules
@@ -1016,13 +1031,14 @@ def _optimizer_setting(
 ) -> dict[str, Any]:
     """``{"optimizer": ...}`` for :class:`ModelUpdater`, or nothing when ``optimizer_fn`` makes
     it."""
-    lr = overrides.get("lr")
     if config is not None and config.has("optimizer_fn"):
-        if lr is not None:
-            raise UsageError(
-                f"--lr: {config.path} defines optimizer_fn, which sets the learning rate; "
-                "change it there or leave --lr out"
-            )
+        for option in _OPTIMIZER_OPTIONS:
+            if overrides.get(option) is not None:
+                flag = "--" + option.replace("_", "-")
+                raise UsageError(
+                    f"{flag}: {config.path} defines optimizer_fn, which sets the learning rate "
+                    f"and the other optimizer options; change it there or leave {flag} out"
+                )
         return {}
     saved = None if manifest is None else manifest["optimizer"]
     if saved is not None and "function" in saved:
@@ -1030,10 +1046,26 @@ def _optimizer_setting(
             f"the state folder's optimizer came from a config file's optimizer_fn "
             f"({saved['function']}); pass that --config-file"
         )
-    optimizer = dict(saved) if saved is not None else {"name": "adam", "lr": 1e-3}
-    if lr is not None:
-        optimizer["lr"] = lr
-    return {"optimizer": optimizer}
+    return {"optimizer": _optimizer_spec(saved or {"name": "adam", "lr": 1e-3}, overrides)}
+
+
+def _optimizer_spec(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` (``{"name": ..., "lr": ..., ...}``) with ``--optimizer``, ``--lr``,
+    ``--momentum`` and ``--weight-decay`` applied; another optimizer keeps only the learning
+    rate of ``base`` (its other options may not apply)."""
+    optimizer = dict(base)
+    name = overrides.get("optimizer")
+    if name is not None and name != optimizer.get("name", "adam"):
+        optimizer = {"name": name, "lr": optimizer.get("lr", 1e-3)}
+    for option in _OPTIMIZER_OPTIONS[1:]:
+        if overrides.get(option) is not None:
+            optimizer[option] = overrides[option]
+    if "momentum" in optimizer and optimizer.get("name", "adam") != "sgd":
+        raise UsageError(
+            f"--momentum is an option of sgd, not of {optimizer.get('name', 'adam')}: give "
+            "--optimizer sgd or leave --momentum out"
+        )
+    return optimizer
 
 
 def _trainer_setting(
@@ -1289,7 +1321,7 @@ def _prepare_seed(
             model,
             learner=options.learner,
             learner_kwargs=learner_kwargs,
-            optimizer={"name": "adam", "lr": 1e-3 if options.lr is None else options.lr},
+            optimizer=_optimizer_spec({"name": "adam", "lr": 1e-3}, _overrides(options)),
             buffer=options.buffer or _default_buffer(options.learner),
             trainer_kwargs={
                 "max_epochs": options.epochs,
@@ -1633,7 +1665,7 @@ def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
 
 def _overrides(options: Any) -> dict[str, Any]:
     """The training options given (None: keep the input state's value)."""
-    names = (*_TRAINING, "device", "precision")
+    names = (*_TRAINING, "optimizer", "momentum", "weight_decay", "device", "precision")
     return {name: getattr(options, name, None) for name in names}
 
 
