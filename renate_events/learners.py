@@ -1613,8 +1613,12 @@ class ICaRLLearner(BaseExperienceReplayLearner):
                 f"{type(self).__name__}.nme_classifier: no class means yet; they are computed "
                 "at the end of each update (call fit first)"
             )
+        device = _model_device(self.model)
         return NearestMeanOfExemplarsClassifier(
-            self.model, self._feature_module, self._class_means, self._known_classes
+            self.model,
+            self._feature_module,
+            self._class_means.to(device),
+            self._known_classes.to(device),
         )
 
     def _check_first_batch(
@@ -1673,6 +1677,11 @@ class ICaRLLearner(BaseExperienceReplayLearner):
             features.append(module_features(model, self._feature_module, shown))
             inputs.append(raw)
             targets.append(labels)
+        if not targets:
+            raise ValueError(
+                f"{type(self).__name__}: the update's data gave no batches at the end of the "
+                "update, for the herding; pass a dataset or a loader that can be iterated again"
+            )
         return torch.cat(inputs), torch.cat(targets), torch.cat(features)
 
     def on_save_checkpoint(self, checkpoint: Any) -> None:

@@ -312,6 +312,22 @@ def test_untrusted_class_means_are_refused_before_anything_changes(tmp_path):
     assert_same_tree(list(learner.class_means), list(before[1]))
 
 
+def test_a_learner_resumed_from_its_checkpoint_continues_as_the_original(tmp_path):
+    tasks = _tasks()
+    learner = _learner()
+    learner.fit(tasks[0].train)
+    learner.save_checkpoint(tmp_path / "after-0.ckpt")
+    twin = _learner(model=_model())
+    twin.load_checkpoint(tmp_path / "after-0.ckpt")
+    assert_same_tree(list(twin.class_means), list(learner.class_means))
+    state = torch.get_rng_state()
+    learner.fit(tasks[1].train)
+    torch.set_rng_state(state)
+    twin.fit(tasks[1].train)
+    assert_same_tree(list(twin.class_means), list(learner.class_means))
+    assert_same_tree(twin.buffer.state_dict(), learner.buffer.state_dict())
+
+
 def test_state_folders_keep_exemplars_and_class_means(tmp_path):
     tasks = _tasks()
 
