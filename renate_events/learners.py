@@ -1524,7 +1524,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
     _feature_module: str = attrs.field(init=False, default="")
     _class_means: torch.Tensor | None = attrs.field(init=False, default=None)
     _known_classes: torch.Tensor | None = attrs.field(init=False, default=None)
-    _update_data: Any = attrs.field(init=False, default=None)
+    _herding_data: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.buffer is None:
@@ -1564,11 +1564,11 @@ class ICaRLLearner(BaseExperienceReplayLearner):
         *,
         resume_from: str | os.PathLike[str] | None = None,
     ) -> FitResult:
-        self._update_data = train_data
+        self._herding_data = train_data
         try:
             return super().fit(train_data, val_data, resume_from=resume_from)
         finally:
-            self._update_data = None
+            self._herding_data = None
 
     def check_data(self, data: Any) -> None:
         """As the base learner's; also refuses a memory smaller than the model's classes."""
@@ -1644,7 +1644,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
     def on_train_end(self, model: nn.Module) -> None:
         """Herd the update's exemplars with the final model and compute the class means; if
         the means fail, the buffer is put back as it was."""
-        buffer, data = cast(HerdingBuffer, self.buffer), self._update_data
+        buffer, data = cast(HerdingBuffer, self.buffer), self._herding_data
         if data is None:
             return
         from renate_events.evaluation import inference  # evaluation imports this module

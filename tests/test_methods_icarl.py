@@ -177,6 +177,29 @@ def test_component_distils_from_the_model_as_it_was_at_train_start():
     )
 
 
+def test_component_refuses_an_untrusted_checkpoint_before_changing_anything():
+    model = torch.nn.Linear(3, 4)
+    component = ICaRLLossComponent()
+    for _ in range(2):
+        component.on_train_start(model=model)
+        component.new_data_loss(
+            model(torch.zeros(2, 3)), (torch.zeros(2, 3), torch.tensor([0, 1])), None
+        )
+    saved: dict = {}
+    component.on_save_checkpoint(saved)
+    for key, value, message in [
+        ("updates", -1, "'updates' must be an int >= 0"),
+        ("seen_classes", torch.zeros(4), "1-d bool tensor"),
+        ("old_model", {"weight": torch.zeros(4, 3)}, "must hold the model's state"),
+        ("old_model", {"weight": torch.zeros(4, 2), "bias": torch.zeros(4)}, "shape \\(4, 3\\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            component.on_load_checkpoint({**saved, key: value}, model=model)
+    after: dict = {}
+    component.on_save_checkpoint(after)
+    assert_same_tree(after, saved)
+
+
 # -- the nearest-mean-of-exemplars classifier ----------------------------------------------------
 
 
