@@ -1551,7 +1551,8 @@ class ICaRLLearner(BaseExperienceReplayLearner):
             "nearest-mean-of-exemplars classifier, but feature_modules is empty and the model "
             f"({type(self.model).__name__}) has no `backbone` submodule; pass "
             "feature_modules=['<name>'] naming the submodule whose output is the feature (the "
-            "last one is used; see model.named_modules()), on the command line --hidden sizes"
+            "last one is used; see model.named_modules()); on the command line "
+            "--feature-modules '[\"<name>\"]' (run without --config-file: --hidden sizes)"
         )
 
     def default_components(self) -> dict[str, Component]:

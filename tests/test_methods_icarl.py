@@ -418,3 +418,23 @@ def test_cli_refuses_the_nme_classifier_for_other_learners(tmp_path, capsys):
     argv = ["evaluate", "--state", state, "--scenario", "split-digits", "--classifier", "nme"]
     assert main(argv) == 2
     assert "--classifier nme needs a state folder of --learner icarl" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_config_file_run_and_evaluate_with_the_nme_classifier(tmp_path, capsys):
+    import pathlib
+
+    config = str(pathlib.Path(__file__).parents[1] / "examples" / "configs" / "quick_config.py")
+    out = tmp_path / "out"
+    run = ["run", "--config-file", config, "--chunks", "2", "--learner", "icarl"]
+    assert main([*run, "--epochs", "1", "--output-dir", str(out), "--no-progress"]) == 2
+    assert "needs a feature extractor" in capsys.readouterr().err
+    assert not out.exists()
+    features = ["--feature-modules", '["1"]', "--epochs", "1"]
+    assert main([*run, *features, "--output-dir", str(out), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    state = str(out / "state" / "seed-0")
+    argv = ["evaluate", "--state", state, "--config-file", config, "--classifier", "nme"]
+    assert main(argv) == 0
+    final = float(capsys.readouterr().out.split("average accuracy ")[1].split()[0])
+    assert f"average_accuracy                    {final:.3f}" in table
