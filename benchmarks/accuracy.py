@@ -1,7 +1,8 @@
 """Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
 
 Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
-one, separate and online), LwF, Offline-ER, GDumb and Joint with the command line's defaults (MLP
+one, separate and online), LwF, Offline-ER, GDumb, iCaRL (evaluated with its nearest-mean-of-
+exemplars classifier on the hidden layer's features) and Joint with the command line's defaults (MLP
 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and
 LwF keep no memory) on Split-Digits (class-incremental, five two-class tasks) and prints average
 accuracy (class- and task-incremental), forgetting and wall time per run.
@@ -19,6 +20,7 @@ import torch
 
 from renate_events import evaluation
 from renate_events.cli import _mlp
+from renate_events.learners import ICaRLLearner
 from renate_events.scenarios import split_digits
 from renate_events.updater import LEARNERS
 from trainer import Trainer
@@ -37,6 +39,7 @@ METHODS = {
     "LwF": ("lwf", {}),
     "Offline-ER": ("offline-er", {}),
     "GDumb": ("gdumb", {}),
+    "iCaRL": ("icarl", {"feature_modules": ["1"]}),
     "Joint": ("joint", {}),
 }
 MEMORY_FREE = ("fine-tuning", "joint", "ewc", "lwf")
@@ -60,8 +63,9 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     start = time.perf_counter()
     for task in tasks:
         learner.fit(task.train)
-        class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
-        task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
+        evaluated = learner.nme_classifier() if isinstance(learner, ICaRLLearner) else model
+        class_matrix.append(evaluation.evaluate(evaluated, tasks, mode="class-incremental"))
+        task_matrix.append(evaluation.evaluate(evaluated, tasks, mode="task-incremental"))
     return {
         "class-IL accuracy": evaluation.average_accuracy(class_matrix),
         "task-IL accuracy": evaluation.average_accuracy(task_matrix),

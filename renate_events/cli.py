@@ -40,6 +40,7 @@ import torch
 from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
+from renate_events.learners import ICaRLLearner
 from renate_events.scenarios import SCENARIOS
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
@@ -360,6 +361,13 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the split / of data_fn")
     evaluate.add_argument(
+        "--classifier",
+        choices=("logits", "nme"),
+        default="logits",
+        help="logits: the model's argmax (default); nme: iCaRL's nearest mean of exemplars "
+        "(a state folder of --learner icarl)",
+    )
+    evaluate.add_argument(
         "--accept-config-change",
         action="store_true",
         help="evaluate a state folder written with another version of the config file",
@@ -637,6 +645,7 @@ class _EvaluateOptions:
     )
     seed: int = attrs.field(validator=checks.int_at_least(0, _MAX_SEED))
     accept_config_change: bool = attrs.field(validator=checks.boolean)
+    classifier: str = attrs.field(default="logits", validator=checks.one_of("logits", "nme"))
 
 
 @attrs.frozen
@@ -1009,8 +1018,9 @@ def _learner_settings(
 
 
 def _default_buffer(learner: str) -> str:
-    """GDumb fills a class-balanced memory (Prabhu et al. 2020); the others sample a reservoir."""
-    return "greedy-class-balancing" if learner == "gdumb" else "reservoir"
+    """GDumb fills a class-balanced memory (Prabhu et al. 2020), iCaRL herds exemplars (Rebuffi
+    et al. 2017); the others sample a reservoir."""
+    return {"gdumb": "greedy-class-balancing", "icarl": "herding"}.get(learner, "reservoir")
 
 
 def _feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module) -> None:
@@ -1315,6 +1325,8 @@ def _prepare_seed(
         learner_kwargs.pop("memory_size")
     if options.learner in _DISTILLING:  # distil the outputs of the hidden layers
         learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(options.hidden))]
+    if options.learner == "icarl" and options.hidden:  # iCaRL's feature: the last hidden layer
+        learner_kwargs["feature_modules"] = [str(2 * len(options.hidden) - 1)]
     learner_kwargs.update(hyper)
     try:
         updater = ModelUpdater(
@@ -1358,6 +1370,7 @@ def _train_seed(options: _RunOptions, plan: _Seed) -> dict[str, Any]:
         description = f"seed {plan.seed} task {task.task_id}"
         _progress(plan.updater.learner_instance, description, not options.no_progress)
         plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
+        model = _run_classifier(plan)
         class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
         task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
         current = _predictions(model, tasks)
@@ -2017,7 +2030,7 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     if options.data is not None:
         data = _load_data_file(options.data)
     updater, spec = _updater_from_folder(options.state)
-    model = updater.learner_instance.model
+    model = _classifier(updater.learner_instance, options.classifier, options.state)
     if options.data is not None:
         _check_fits(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
@@ -2049,7 +2062,9 @@ def _evaluate_from_config(options: _EvaluateOptions) -> int:
         validation_memory=manifest.get("validation_memory", False),
         accept_config_change=options.accept_config_change,
     )
-    model = _for_evaluation(updater.learner_instance.model, config)
+    model = _for_evaluation(
+        _classifier(updater.learner_instance, options.classifier, options.state), config
+    )
     chunks = options.chunk_ids or list(range(manifest["updates"]))
     tasks = []
     for chunk in chunks:
@@ -2065,6 +2080,32 @@ def _evaluate_from_config(options: _EvaluateOptions) -> int:
         print(f"chunk {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
     print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
     return 0
+
+
+def _classifier(learner: Any, classifier: str, state: str) -> torch.nn.Module:
+    """The learner's model (``logits``) or iCaRL's nearest-mean-of-exemplars classifier."""
+    if classifier == "logits":
+        return learner.model
+    if not isinstance(learner, ICaRLLearner):
+        raise UsageError(
+            f"--classifier nme needs a state folder of --learner icarl; {state} holds a "
+            f"{type(learner).__name__}"
+        )
+    try:
+        return learner.nme_classifier()
+    except ValueError as exc:
+        raise UsageError(f"--classifier nme: {exc}") from None
+
+
+def _run_classifier(plan: Any) -> torch.nn.Module:
+    """What ``run`` evaluates after an update: iCaRL's nearest-mean-of-exemplars classifier
+    for an iCaRL learner (with the config file's test transform, if any), else the model."""
+    learner = plan.updater.learner_instance
+    if not isinstance(learner, ICaRLLearner) or learner.class_means is None:
+        return plan.evaluated
+    nme = learner.nme_classifier()
+    evaluated = plan.evaluated
+    return _Transformed(nme, evaluated.transform) if isinstance(evaluated, _Transformed) else nme
 
 
 # -- shift ----------------------------------------------------------------------------------------

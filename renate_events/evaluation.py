@@ -104,7 +104,10 @@ def evaluate(
     Args:
         model: Maps a batch of inputs to logits ``(batch, num_classes)``; called as ``model(x)``,
             ``model(*x)`` for tuple inputs (a ``TensorDataset`` with more than two tensors: all
-            but the last) or ``model(**x)`` for dict inputs.
+            but the last) or ``model(**x)`` for dict inputs. Any classifier module returning a
+            score per class is evaluated the same way, e.g. iCaRL's nearest-mean-of-exemplars
+            classifier, ``evaluate(learner.nme_classifier(), tasks)``
+            (:meth:`renate_events.learners.ICaRLLearner.nme_classifier`).
         tasks: :class:`~renate_events.scenarios.Task` objects (anything with ``test``, a dataset
             of ``(inputs, target)``, and ``classes``).
         mode: ``"class-incremental"`` or ``"task-incremental"``.

@@ -24,18 +24,24 @@ from torch.utils.data import DataLoader, Dataset
 from renate_events.components import (
     Component,
     ElasticWeightConsolidationComponent,
+    ICaRLLossComponent,
     IntermediateRepresentations,
     LearningWithoutForgettingComponent,
+    NearestMeanOfExemplarsClassifier,
     ShrinkAndPerturbReinitializationComponent,
     WeightedCLSLossComponent,
     WeightedCustomLossComponent,
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
+    check_class_means,
+    exemplar_means,
+    module_features,
 )
 from renate_events.memory import (
     BufferDataset,
     DataBuffer,
     GreedyClassBalancingBuffer,
+    HerdingBuffer,
     InfiniteBuffer,
     ReservoirBuffer,
 )
@@ -51,6 +57,7 @@ __all__ = [
     "ExperienceReplayLearner",
     "FineTuningLearner",
     "GDumbLearner",
+    "ICaRLLearner",
     "JointLearner",
     "LearningWithoutForgettingLearner",
     "OfflineExperienceReplayLearner",
@@ -1715,3 +1722,236 @@ class GDumbLearner(JointLearner):
             self._undo.append(
                 functools.partial(cast(DataBuffer, self.buffer).load_state_dict, saved)
             )
+
+
+@attrs.define(eq=False)
+class ICaRLLearner(BaseExperienceReplayLearner):
+    """iCaRL: herding exemplars, sigmoid distillation and a nearest-mean-of-exemplars classifier.
+
+    Rebuffi, Kolesnikov, Sperl and Lampert, "iCaRL: Incremental Classifier and Representation
+    Learning", CVPR 2017 (Renate's ``AvalancheICaRLLearner``, whose only own hyperparameter is
+    ``memory_size``). Each step adds :func:`~renate_events.components.icarl_loss` (binary
+    cross-entropy on sigmoid outputs, the old classes' targets being the outputs of the model
+    as it was when the update started) on the new batch and on a memory batch of exemplars: the
+    component ``icarl`` (:class:`~renate_events.components.ICaRLLossComponent`). The learner's
+    own cross-entropy is off (``loss_weight = 0``). At the end of every update (``train_end``)
+    the final model's features of the update's data fill a
+    :class:`~renate_events.memory.HerdingBuffer` of ``memory_size`` exemplars (``m =
+    memory_size // classes`` per class, earlier classes reduced to their first ``m``), and the
+    class means of the exemplars' normalised features are computed and kept in checkpoints:
+    :meth:`nme_classifier` is iCaRL's classifier over them.
+
+    The features are the output of the last of ``feature_modules`` or, with none, of the model's
+    ``backbone`` (the zoo models of :mod:`renate_events.models`); a model with neither is
+    refused when the learner is built, as is a ``memory_size`` below the model's number of
+    classes when an update starts. Inputs must be tensors; the update's raw inputs are held in
+    memory at its end, for the herding.
+
+    Args:
+        memory_size: ``K``, the total number of exemplars (the paper's 2000 by default).
+        loss_weight: Weight of the learner's ``loss_fn`` on new data (0: iCaRL's loss alone).
+
+    Example:
+        >>> import torch
+        >>> from renate_events.evaluation import evaluate
+        >>> from renate_events.scenarios import ClassIncrementalScenario
+        >>> from trainer import Trainer
+        >>> data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40) % 4)
+        >>> tasks = ClassIncrementalScenario(data, [[0, 1], [2, 3]]).tasks()
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(8, 4))
+        >>> learner = ICaRLLearner(model=model, memory_size=8, memory_batch_size=4,
+        ...                        feature_modules=["1"], trainer=Trainer(max_epochs=1))
+        >>> for task in tasks:
+        ...     _ = learner.fit(task.train)
+        >>> learner.buffer.class_counts()
+        {0: 2, 1: 2, 2: 2, 3: 2}
+        >>> len(evaluate(learner.nme_classifier(), tasks))
+        2
+    """
+
+    memory_size: int = attrs.field(default=2000, validator=validators.int_at_least(1))
+    loss_weight: float = attrs.field(default=0.0, validator=validators.real_in_range(0))
+    _feature_module: str = attrs.field(init=False, default="")
+    _class_means: torch.Tensor | None = attrs.field(init=False, default=None)
+    _known_classes: torch.Tensor | None = attrs.field(init=False, default=None)
+    _herding_data: Any = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.buffer is None:
+            self.buffer = HerdingBuffer(max_size=self.memory_size, seed=_derived_seed(self.seed, 0))
+        if not isinstance(self.buffer, HerdingBuffer):
+            raise ValueError(
+                f"`{type(self).__name__}.buffer` must be a HerdingBuffer (iCaRL's exemplars), got "
+                f"a {type(self.buffer).__name__}; leave buffer unset (ModelUpdater: "
+                "buffer='herding'; on the command line: --buffer herding)"
+            )
+        self._feature_module = self._feature_extractor()
+        super().__attrs_post_init__()
+
+    def _feature_extractor(self) -> str:
+        """The module whose output is iCaRL's feature: the last feature module, else
+        ``backbone``."""
+        names = tuple(self.feature_modules)
+        if names:
+            return names[-1]
+        if isinstance(getattr(self.model, "backbone", None), nn.Module):
+            return "backbone"
+        raise ValueError(
+            f"{type(self).__name__} needs a feature extractor for its herding and its "
+            "nearest-mean-of-exemplars classifier, but feature_modules is empty and the model "
+            f"({type(self.model).__name__}) has no `backbone` submodule; pass "
+            "feature_modules=['<name>'] naming the submodule whose output is the feature (the "
+            "last one is used; see model.named_modules()); on the command line "
+            "--feature-modules '[\"<name>\"]' (run without --config-file: --hidden sizes)"
+        )
+
+    def default_components(self) -> dict[str, Component]:
+        return {"icarl": ICaRLLossComponent(weight=1.0, sample_new_memory_batch=True)}
+
+    def fit(
+        self,
+        train_data: Dataset[Any] | Iterable[Any],
+        val_data: Dataset[Any] | Iterable[Any] | None = None,
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> FitResult:
+        self._herding_data = train_data
+        try:
+            return super().fit(train_data, val_data, resume_from=resume_from)
+        finally:
+            self._herding_data = None
+
+    def check_data(self, data: Any) -> None:
+        """As the base learner's; also refuses a memory smaller than the model's classes."""
+        super().check_data(data)
+        tensors = getattr(data, "tensors", None)
+        if not isinstance(tensors, tuple) or len(tensors) != 2 or not len(data):
+            return
+        from renate_events.evaluation import inference  # evaluation imports this module
+
+        with inference(self.model):
+            probe = tensors[0][:1].to(_model_device(self.model))
+            classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
+        if self.memory_size < classes:
+            raise ValueError(
+                f"`{type(self).__name__}.memory_size` must be at least the model's number of "
+                f"classes ({classes}): iCaRL keeps memory_size // classes exemplars of each; got "
+                f"{self.memory_size}"
+            )
+
+    @property
+    def feature_module(self) -> str:
+        """The name of the submodule whose output is iCaRL's feature."""
+        return self._feature_module
+
+    @property
+    def class_means(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(means, known)`` of the exemplars after the last update (``None`` before one):
+        ``(K, d)`` normalised class means and the ``(K,)`` mask of classes with exemplars."""
+        if self._class_means is None or self._known_classes is None:
+            return None
+        return self._class_means.clone(), self._known_classes.clone()
+
+    def nme_classifier(self) -> NearestMeanOfExemplarsClassifier:
+        """iCaRL's nearest-mean-of-exemplars classifier on the current model and class means
+        (a module; pass it to :func:`renate_events.evaluation.evaluate` as the model).
+
+        Raises:
+            ValueError: No update has ended yet, so there are no class means.
+        """
+        if self._class_means is None or self._known_classes is None:
+            raise ValueError(
+                f"{type(self).__name__}.nme_classifier: no class means yet; they are computed "
+                "at the end of each update (call fit first)"
+            )
+        device = _model_device(self.model)
+        return NearestMeanOfExemplarsClassifier(
+            self.model,
+            self._feature_module,
+            self._class_means.to(device),
+            self._known_classes.to(device),
+        )
+
+    def _check_first_batch(
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        outputs: torch.Tensor,
+        features: Sequence[torch.Tensor],
+    ) -> None:
+        """Once per update, before anything trains: tensor inputs that fit the exemplars."""
+        if self._batch_checked:
+            return
+        if not isinstance(inputs, torch.Tensor):
+            raise validators.WrongTypeError(
+                f"{type(self).__name__} needs tensor inputs (its herding holds the update's "
+                f"inputs), got {type(inputs).__name__}"
+            )
+        cast(HerdingBuffer, self.buffer).check_batch(inputs, targets)
+
+    def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+        """Nothing per step: the exemplars are chosen at the end of the update."""
+
+    def on_train_end(self, model: nn.Module) -> None:
+        """Herd the update's exemplars with the final model and compute the class means; if
+        the means fail, the buffer is put back as it was."""
+        buffer, data = cast(HerdingBuffer, self.buffer), self._herding_data
+        if data is None:
+            return
+        from renate_events.evaluation import inference  # evaluation imports this module
+
+        with inference(model):
+            inputs, targets, features = self._embedded(model, self._loader(data, shuffle=False))
+            saved = buffer.state_dict()
+            buffer.herd(inputs, targets, features)
+            try:
+                view = buffer.dataset()
+                exemplars = DataLoader(view, batch_size=self.batch_size, collate_fn=view.collate)
+                _, labels, features = self._embedded(model, exemplars)
+                classes = self._forward(to_device(inputs[:1], _model_device(model))).shape[-1]
+                means, known = exemplar_means(features, labels, classes)
+            except BaseException:
+                buffer.load_state_dict(saved)
+                raise
+        self._class_means, self._known_classes = means.cpu(), known.cpu()
+
+    def _embedded(
+        self, model: nn.Module, batches: Iterable[Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The raw inputs, the targets and the features (through ``test_transform``) of every
+        batch, concatenated."""
+        device = _model_device(model)
+        inputs, targets, features = [], [], []
+        for batch in batches:
+            raw, labels = _unpack(batch)
+            shown = self._transformed("test_transform", to_device(raw, device), len(labels))
+            features.append(module_features(model, self._feature_module, shown))
+            inputs.append(raw)
+            targets.append(labels)
+        if not targets:
+            raise ValueError(
+                f"{type(self).__name__}: the update's data gave no batches at the end of the "
+                "update, for the herding; pass a dataset or a loader that can be iterated again"
+            )
+        return torch.cat(inputs), torch.cat(targets), torch.cat(features)
+
+    def on_save_checkpoint(self, checkpoint: Any) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._class_means is not None and self._known_classes is not None:
+            checkpoint["class_means"] = self._class_means
+            checkpoint["known_classes"] = self._known_classes
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        """As the base learner's, with the class means (checked before anything is restored)."""
+        means, known = checkpoint.get("class_means"), checkpoint.get("known_classes")
+        if (means is None) != (known is None):
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint has only one of 'class_means' and "
+                "'known_classes'; it must have both or neither"
+            )
+        if means is not None:
+            check_class_means(means, known, f"{type(self).__name__}: checkpoint 'class_means'")
+        super().on_load_checkpoint(checkpoint)
+        self._class_means = None if means is None else means.float().clone()
+        self._known_classes = None if known is None else known.clone()

@@ -72,6 +72,7 @@ from renate_events.learners import (
     ExperienceReplayLearner,
     FineTuningLearner,
     GDumbLearner,
+    ICaRLLearner,
     JointLearner,
     LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
@@ -83,6 +84,7 @@ from renate_events.learners import (
 from renate_events.memory import (
     DataBuffer,
     GreedyClassBalancingBuffer,
+    HerdingBuffer,
     InfiniteBuffer,
     ReservoirBuffer,
     SlidingWindowBuffer,
@@ -129,6 +131,7 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "lwf": LearningWithoutForgettingLearner,
     "offline-er": OfflineExperienceReplayLearner,
     "gdumb": GDumbLearner,
+    "icarl": ICaRLLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
@@ -137,6 +140,7 @@ BUFFERS: dict[str, type[DataBuffer]] = {
     "reservoir": ReservoirBuffer,
     "sliding-window": SlidingWindowBuffer,
     "greedy-class-balancing": GreedyClassBalancingBuffer,
+    "herding": HerdingBuffer,
 }
 """Buffer names for :class:`ModelUpdater` and the command line (built with the learner's
 ``memory_size`` and ``seed``)."""

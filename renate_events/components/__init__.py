@@ -26,6 +26,14 @@ from renate_events.components.features import (
     copy_without_hooks,
     record_intermediate_representations,
 )
+from renate_events.components.icarl import (
+    ICaRLLossComponent,
+    NearestMeanOfExemplarsClassifier,
+    check_class_means,
+    exemplar_means,
+    icarl_loss,
+    module_features,
+)
 from renate_events.components.losses import (
     DISTILLATION_TYPES,
     WeightedCustomLossComponent,
@@ -45,9 +53,11 @@ __all__ = [
     "BatchMemory",
     "Component",
     "ElasticWeightConsolidationComponent",
+    "ICaRLLossComponent",
     "Inputs",
     "IntermediateRepresentations",
     "LearningWithoutForgettingComponent",
+    "NearestMeanOfExemplarsClassifier",
     "ReinitializationComponent",
     "ShrinkAndPerturbReinitializationComponent",
     "WeightedCLSLossComponent",
@@ -55,8 +65,12 @@ __all__ = [
     "WeightedLossComponent",
     "WeightedMeanSquaredErrorLossComponent",
     "WeightedPooledOutputDistillationLossComponent",
+    "check_class_means",
     "copy_without_hooks",
     "distillation_loss",
     "empirical_fisher",
+    "exemplar_means",
+    "icarl_loss",
+    "module_features",
     "record_intermediate_representations",
 ]

@@ -6,7 +6,8 @@ Public names follow Renate's buffers:
 * :class:`ReservoirBuffer`: uniform random subset of the stream (Vitter 1985),
 * :class:`SlidingWindowBuffer`: the most recent samples,
 * :class:`GreedyClassBalancingBuffer`: class-balanced memory of GDumb (Prabhu et al., 2020),
-* :class:`InfiniteBuffer`: everything.
+* :class:`InfiniteBuffer`: everything,
+* :class:`HerdingBuffer`: iCaRL's exemplars, chosen by herding (Rebuffi et al., 2017).
 
 Example:
     >>> import torch
@@ -31,6 +32,7 @@ from renate_events.memory.buffers import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
+from renate_events.memory.herding import HerdingBuffer, herding_selection
 
 __all__ = [
     "STATE_FORMAT_VERSION",
@@ -38,7 +40,9 @@ __all__ = [
     "BufferDataset",
     "DataBuffer",
     "GreedyClassBalancingBuffer",
+    "HerdingBuffer",
     "InfiniteBuffer",
     "ReservoirBuffer",
     "SlidingWindowBuffer",
+    "herding_selection",
 ]
