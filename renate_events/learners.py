@@ -709,18 +709,11 @@ class BaseExperienceReplayLearner:
             self._check_heads(self.model, torch.unique(task_ids).tolist(), name)
 
     def _check_components_take_task_ids(self, name: str) -> None:
-        """CLS-ER's and LwF's model copies and EWC's Fisher pass call the model without task
-        ids: refused."""
+        """A component that calls the model itself (CLS-ER's and LwF's copies, EWC's Fisher
+        pass, iCaRL's old model: :attr:`Component.calls_model`) would call it without task ids:
+        refused."""
         for key, component in self.components.items():
-            calls_model = isinstance(component, WeightedCLSLossComponent) and component.weight > 0
-            calls_model |= (
-                isinstance(component, LearningWithoutForgettingComponent) and component.alpha > 0
-            )
-            calls_model |= (
-                isinstance(component, ElasticWeightConsolidationComponent)
-                and component.ewc_lambda > 0
-            )
-            if calls_model:
+            if component.calls_model:
                 raise ValueError(
                     f"{name}: the component {key!r} ({type(component).__name__}) calls the model "
                     "(or copies of it) on its own, without task ids, so it cannot train on "
@@ -1879,8 +1872,11 @@ class ICaRLLearner(BaseExperienceReplayLearner):
         targets: torch.Tensor,
         outputs: torch.Tensor,
         features: Sequence[torch.Tensor],
+        *,
+        task_ids: torch.Tensor | None = None,
     ) -> None:
-        """Once per update, before anything trains: tensor inputs that fit the exemplars."""
+        """Once per update, before anything trains: tensor inputs that fit the exemplars (task
+        ids never get here: iCaRL's loss component refuses task-incremental data)."""
         if self._batch_checked:
             return
         if not isinstance(inputs, torch.Tensor):

@@ -14,7 +14,9 @@ from renate_events.learners import (
     ElasticWeightConsolidationLearner,
     ExperienceReplayLearner,
     FineTuningLearner,
+    ICaRLLearner,
     JointLearner,
+    LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
 )
 from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
@@ -404,6 +406,8 @@ def test_models_learners_and_buffers_that_cannot_carry_task_ids() -> None:
     refused = (
         (CLSExperienceReplayLearner, "cls_loss"),
         (ElasticWeightConsolidationLearner, "'ewc'"),
+        (LearningWithoutForgettingLearner, "'lwf'"),
+        (ICaRLLearner, "ICaRLLossComponent"),
         (JointLearner, "no task ids"),
     )
     for cls, message in refused:

@@ -122,6 +122,11 @@ class WeightedCLSLossComponent(WeightedLossComponent):
         init=False, default=None, repr=False
     )
 
+    @property
+    def calls_model(self) -> bool:
+        """The stable and plastic copies run on every memory batch (with ``weight > 0``)."""
+        return self.weight > 0
+
     def __attrs_post_init__(self) -> None:
         self._generator = _rng.new_generator(self.seed)
 

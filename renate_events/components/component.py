@@ -106,6 +106,13 @@ class Component(abc.ABC):  # noqa: B024 - abstract by intent; every hook is opti
         """
         return None
 
+    @property
+    def calls_model(self) -> bool:
+        """Whether this component calls the model (or a copy of it) itself, beyond the
+        learner's forward passes; such calls carry no task ids, so a learner refuses
+        task-incremental data with it. False here."""
+        return False
+
     def on_train_start(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Called once when training on new data starts, with the model being trained."""
 

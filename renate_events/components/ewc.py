@@ -130,6 +130,11 @@ class ElasticWeightConsolidationComponent(Component):
     _fishers: list[dict[str, torch.Tensor]] = attrs.field(init=False, factory=list)
     _anchors: list[dict[str, torch.Tensor]] = attrs.field(init=False, factory=list)
 
+    @property
+    def calls_model(self) -> bool:
+        """The Fisher pass at ``train_end`` runs the model (with ``ewc_lambda > 0``)."""
+        return self.ewc_lambda > 0
+
     def __attrs_post_init__(self) -> None:
         if self.mode == "online" and self.decay_factor is None:
             raise ValueError(

@@ -240,6 +240,11 @@ class ICaRLLossComponent(Component):
     _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)
     _updates: int = attrs.field(init=False, default=0)
 
+    @property
+    def calls_model(self) -> bool:
+        """The frozen copy of the model gives the old classes' targets on every batch."""
+        return True
+
     def on_train_start(self, model: nn.Module) -> None:
         """Freeze a copy of the model as it is before this update (none before the first)."""
         self._updates += 1

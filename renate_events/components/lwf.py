@@ -81,6 +81,11 @@ class LearningWithoutForgettingComponent(Component):
     _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)  # at train_start
     _updates: int = attrs.field(init=False, default=0)  # updates started
 
+    @property
+    def calls_model(self) -> bool:
+        """The frozen copy of the model runs on every new batch (with ``alpha > 0``)."""
+        return self.alpha > 0
+
     def on_train_start(self, model: nn.Module) -> None:
         """Freeze a copy of the model as it is before this update (none before the first)."""
         self._updates += 1
