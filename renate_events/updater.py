@@ -76,6 +76,7 @@ from renate_events.learners import (
     LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
     PooledOutputDistillationExperienceReplayLearner,
+    RepeatedDistillationLearner,
     SuperExperienceReplayLearner,
     forward,
 )
@@ -128,6 +129,7 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "lwf": LearningWithoutForgettingLearner,
     "offline-er": OfflineExperienceReplayLearner,
     "gdumb": GDumbLearner,
+    "repeated-distill": RepeatedDistillationLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
