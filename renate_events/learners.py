@@ -981,7 +981,7 @@ class BaseExperienceReplayLearner:
             return
         self._add_to_buffer(batch, outputs)
 
-    def on_exception(self, exception: BaseException) -> None:
+    def on_exception(self, exception: BaseException | None = None) -> None:
         """The update failed before a batch went through: put back what it changed (the buffer's
         sampling generator, stored logits, the classes seen), so that it leaves no trace.
 
