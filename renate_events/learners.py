@@ -137,6 +137,13 @@ def _reset_parameters(model: nn.Module) -> None:
             module.reset_parameters()
 
 
+def _buffer_copy(buffer: DataBuffer) -> dict[str, Any] | None:
+    """The buffer's state as an in-memory copy, to put back after a failed update; ``None`` for
+    a buffer whose ``state_dict`` is its own (a memory-mapped one writes a snapshot generation
+    to disk, and an extra generation would delete the one the last checkpoint names)."""
+    return buffer.state_dict() if type(buffer).state_dict is DataBuffer.state_dict else None
+
+
 def _buffer_loader(data: BufferDataset, batch_size: int, shuffle: bool) -> DataLoader[Any]:
     """Stacked batches straight from a buffer's storage, shuffled at iteration time."""
     sampler = _LiveShuffle(data) if shuffle else None
@@ -317,9 +324,10 @@ class BaseExperienceReplayLearner:
             during an update the buffer holds only earlier updates' data (as Renate's Offline-ER
             and Avalanche's DER do). Reservoir or class-balanced filling is the buffer's choice
             (``buffer=GreedyClassBalancingBuffer(...)``). The end fill happens once per update:
-            not after an interrupted or failed update (a failure during it puts the buffer
-            back), and a resumed update fills at its end as an uninterrupted one would. Needs a
-            buffer (``memory_size >= 1``).
+            not after an interrupted or failed update (a failed update puts the buffer back as
+            it was, from an in-memory copy taken at ``train_start``; not for a memory-mapped
+            buffer, whose state is files), and a resumed update fills at its end as an
+            uninterrupted one would. Needs a buffer (``memory_size >= 1``).
 
     Example:
         >>> import torch
@@ -971,7 +979,7 @@ class BaseExperienceReplayLearner:
         if self.buffer_filling == "end" and isinstance(buffer, DataBuffer):
             # Put back by on_exception: a failed update leaves the buffer as it was (its
             # contents, the logits an EMA moved, its generators); one copy per update.
-            self._fill_undo = buffer.state_dict()
+            self._fill_undo = _buffer_copy(buffer)
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
         """Offer the batch, its unmasked logits and its features to the buffer (with
@@ -1535,7 +1543,8 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
     in another process is reproducible. The buffer holds ``memory_size`` samples (reservoir by
     default; at least 1); ``components``, ``feature_modules`` and an optimizer instance (the
     expert needs a factory) are refused. A failed update, in either phase, leaves the model and
-    the buffer as they were; a checkpoint of the distillation phase resumes exactly.
+    the buffer (from in-memory copies; not a memory-mapped buffer) as they were; a checkpoint of
+    the distillation phase resumes exactly.
 
     Example:
         >>> import torch
@@ -1582,7 +1591,7 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
         resuming its checkpoint). ``train_data`` must be a dataset of ``(inputs, target)``."""
         buffer = cast(DataBuffer, self.buffer)
         model = {key: value.clone() for key, value in self.model.state_dict().items()}
-        saved = buffer.state_dict()
+        saved = _buffer_copy(buffer)
         try:
             if resume_from is None:
                 self.check_data(train_data)
@@ -1593,7 +1602,8 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
             return super().fit(distillation, val_data, resume_from=resume_from)
         except BaseException:
             self.model.load_state_dict(model)
-            buffer.load_state_dict(saved)
+            if saved is not None:
+                buffer.load_state_dict(saved)
             raise
 
     def _reinitialize(self, model: nn.Module, stream: int) -> None:

@@ -283,3 +283,17 @@ def test_buffer_filling_may_change_between_updates_of_a_state_folder(tmp_path):
     update(tmp_path / "a", tmp_path / "b", "end", 1)
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["learner_kwargs"]["buffer_filling"] == "end"
+
+
+def test_a_memory_mapped_buffer_is_filled_without_an_extra_snapshot_generation(tmp_path):
+    from renate_events.memory.mapped import MappedReservoirBuffer
+
+    buffer = MappedReservoirBuffer(max_size=20, folder=tmp_path, seed=0)
+    learner = _learner(ExperienceReplayLearner, buffer=buffer)
+    learner.fit(_data(n=16))
+    learner.save_checkpoint(tmp_path / "after-1.safetensors")  # snapshot generation 1
+    learner.fit(_data(n=16, seed=1))  # an update writes no snapshot of its own
+    assert len(buffer) == 20 and buffer.num_seen == 32
+    assert sorted(p.name for p in tmp_path.glob("*.g*.bin")) == sorted(
+        p.name for p in tmp_path.glob("*.g1.*.bin")
+    )
