@@ -1,11 +1,13 @@
 """Final accuracy and forgetting of every method on Split-Digits, mean ± std over seeds.
 
 Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
-one, separate and online), LwF, Offline-ER, GDumb, iCaRL (evaluated with its nearest-mean-of-
-exemplars classifier on the hidden layer's features) and Joint with the command line's defaults (MLP
-64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32, reservoir of 200; EWC and
-LwF keep no memory) on Split-Digits (class-incremental, five two-class tasks) and prints average
-accuracy (class- and task-incremental), forgetting and wall time per run.
+one, separate and online), LwF, Offline-ER, DER++ filling a class-balanced buffer at the end of
+each update (Avalanche's DER), repeated distillation, GDumb, iCaRL (evaluated with its
+nearest-mean-of-exemplars classifier on the hidden layer's features) and Joint with the command
+line's defaults (MLP 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32,
+reservoir of 200; EWC and LwF keep no memory) on Split-Digits (class-incremental, five two-class
+tasks) and prints average accuracy (class- and task-incremental), forgetting and wall time per
+run.
 
 Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
 """
@@ -22,7 +24,7 @@ from renate_events import evaluation
 from renate_events.cli import _mlp
 from renate_events.learners import ICaRLLearner
 from renate_events.scenarios import split_digits
-from renate_events.updater import LEARNERS
+from renate_events.updater import BUFFERS, LEARNERS
 from trainer import Trainer
 
 METHODS = {
@@ -38,6 +40,11 @@ METHODS = {
     "online EWC": ("ewc", {"ewc_mode": "online", "decay_factor": 0.9, "ewc_lambda": 1000.0}),
     "LwF": ("lwf", {}),
     "Offline-ER": ("offline-er", {}),
+    "DER++ (end, balanced)": (
+        "der",
+        {"buffer_filling": "end", "buffer": "greedy-class-balancing"},
+    ),
+    "Repeated distillation": ("repeated-distill", {}),
     "GDumb": ("gdumb", {}),
     "iCaRL": ("icarl", {"feature_modules": ["1"]}),
     "Joint": ("joint", {}),
@@ -53,6 +60,8 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     kwargs = {"memory_batch_size": 32, "batch_size": 32, "seed": seed, **extra}
     if name not in MEMORY_FREE:
         kwargs["memory_size"] = 200
+    if "buffer" in kwargs:  # a buffer by its command-line name, of the memory's size
+        kwargs["buffer"] = BUFFERS[kwargs["buffer"]](max_size=200, seed=seed)
     learner = LEARNERS[name](
         model=model,
         optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
@@ -85,7 +94,8 @@ def main(argv=None):
         f"Split-Digits, class-incremental, {len(args.seeds)} seeds, {args.epochs} epochs/task, "
         "1 thread; mean ± std"
     )
-    header = f"{'method':18s} {'class-IL acc':>15s} {'task-IL acc':>15s} {'forgetting':>15s} "
+    width = max(18, *map(len, args.methods))
+    header = f"{'method':{width}s} {'class-IL acc':>15s} {'task-IL acc':>15s} {'forgetting':>15s} "
     print(header + f"{'s/run':>7s}")
     for method in args.methods:
         results = [run(method, seed, args.epochs) for seed in args.seeds]
@@ -96,7 +106,7 @@ def main(argv=None):
             std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
             cells.append(f"{mean:7.3f} ± {std:.3f}")
         seconds = sum(r["seconds"] for r in results) / len(results)
-        print(f"{method:18s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
+        print(f"{method:{width}s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
 
 
 if __name__ == "__main__":

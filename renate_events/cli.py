@@ -202,6 +202,10 @@ def _hyperparameter_epilog() -> str:
     """The hyperparameters all learners share, then each learner's own, with their defaults."""
     schemas = {learner: hyperparameters(learner) for learner in sorted(LEARNERS)}
     shared = set.intersection(*(set(schema) for schema in schemas.values()))
+    defaults = [[json.dumps(s[name].default) for s in schemas.values()] for name in shared]
+    usual = {  # a learner with another default (offline-er's buffer_filling) lists it itself
+        name: max(values, key=values.count) for name, values in zip(shared, defaults)
+    }
 
     def shown(schema: Mapping[str, Any], names: Any) -> str:
         return " ".join(
@@ -215,6 +219,7 @@ def _hyperparameter_epilog() -> str:
     lines = ["learner hyperparameters (defaults):", f"  every learner: {shown(first, shared)}"]
     for learner, schema in schemas.items():
         own = set(schema) - shared
+        own |= {name for name in shared if json.dumps(schema[name].default) != usual[name]}
         lines.append(f"  {learner}: {shown(schema, own) or '(none of its own)'}")
     return "\n".join(lines)
 

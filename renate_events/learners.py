@@ -13,7 +13,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import attrs
 import torch
@@ -34,6 +34,7 @@ from renate_events.components import (
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
     check_class_means,
+    copy_without_hooks,
     exemplar_means,
     module_features,
 )
@@ -50,6 +51,7 @@ from trainer import FitResult, TensorLoader, Trainer, validators
 from trainer.data import to_device
 
 __all__ = [
+    "BUFFER_FILLINGS",
     "BaseExperienceReplayLearner",
     "CLSExperienceReplayLearner",
     "DarkExperienceReplayLearner",
@@ -62,11 +64,17 @@ __all__ = [
     "LearningWithoutForgettingLearner",
     "OfflineExperienceReplayLearner",
     "PooledOutputDistillationExperienceReplayLearner",
+    "RepeatedDistillationLearner",
     "SuperExperienceReplayLearner",
+    "double_distillation_loss",
     "forward",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+BUFFER_FILLINGS = ("step", "end")
+"""The values of the learners' ``buffer_filling``: offer each trained batch to the buffer after
+its step, or the whole update's data at its end with the final model's logits."""
 
 
 def forward(model: nn.Module, inputs: Any, task_id: Any = None) -> torch.Tensor:
@@ -160,6 +168,27 @@ def _derived_seed(seed: int, stream: int) -> int:
     """A distinct seed per random stream of one learner (buffer 0, CLS 1, shrink-perturb 2), so
     that its generators never draw the same sequence."""
     return (seed * 1_000_003 + stream * 7_919) % 2**63
+
+
+def _reset_parameters(model: nn.Module) -> None:
+    """Re-initialise every submodule that has ``reset_parameters`` (Renate's
+    ``reinitialize_model_parameters``), drawing from torch's global RNG."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def _buffer_copy(buffer: DataBuffer) -> dict[str, Any] | None:
+    """The buffer's state as an in-memory copy, to put back after a failed update; ``None`` for
+    a buffer whose ``state_dict`` is its own (a memory-mapped one writes a snapshot generation
+    to disk, and an extra generation would delete the one the last checkpoint names)."""
+    return buffer.state_dict() if type(buffer).state_dict is DataBuffer.state_dict else None
+
+
+def _buffer_loader(data: BufferDataset, batch_size: int, shuffle: bool) -> DataLoader[Any]:
+    """Stacked batches straight from a buffer's storage, shuffled at iteration time."""
+    sampler = _LiveShuffle(data) if shuffle else None
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=data.collate)
 
 
 def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -292,8 +321,9 @@ class BaseExperienceReplayLearner:
        :meth:`~renate_events.components.Component.new_data_loss` on the new batch is added (a
        hook for memory-free methods, EWC and LwF; ``None`` by default);
     4. after the optimizer step (the trainer's ``batch_end``) the buffer is updated with the batch,
-       its unmasked logits and its intermediate representations, then the components'
-       ``on_train_batch_end`` run.
+       its unmasked logits and its intermediate representations (``buffer_filling="step"``; with
+       ``"end"`` the whole update's data is offered at ``train_end`` instead, with the final
+       model's logits), then the components' ``on_train_batch_end`` run.
 
     Memory batches carry the stored logits under ``"logits"`` and Renate's ``"outputs"`` (the
     same tensor). An update that fails before its first batch went through leaves no trace: the
@@ -360,6 +390,18 @@ class BaseExperienceReplayLearner:
             samples do not interact both give the same losses up to rounding (dropout draws
             differ); pass ``"separate"`` for a model that mixes the samples of a batch in another
             way (``F.batch_norm`` called directly, batch statistics, expert capacity limits).
+        buffer_filling: When the update's samples go into the buffer. ``"step"`` (default,
+            Renate's ER/DER behaviour): each trained batch after its optimizer step, with the
+            logits and features of that step. ``"end"``: at the trainer's ``train_end``, every
+            sample of the update's data, with the logits and features of the final model (in eval
+            mode, on the inputs through ``test_transform``; the raw inputs are stored), so that
+            during an update the buffer holds only earlier updates' data (as Renate's Offline-ER
+            and Avalanche's DER do). Reservoir or class-balanced filling is the buffer's choice
+            (``buffer=GreedyClassBalancingBuffer(...)``). The end fill happens once per update:
+            not after an interrupted or failed update (a failed update puts the buffer back as
+            it was, from an in-memory copy taken at ``train_start``; not for a memory-mapped
+            buffer, whose state is files), and a resumed update fills at its end as an
+            uninterrupted one would. Needs a buffer (``memory_size >= 1``).
 
     Example:
         >>> import torch
@@ -442,6 +484,9 @@ class BaseExperienceReplayLearner:
         kw_only=True,
         validator=attrs.validators.optional(validators.is_callable("f(inputs) -> inputs")),
     )
+    buffer_filling: str = attrs.field(
+        default="step", kw_only=True, validator=validators.one_of(*BUFFER_FILLINGS)
+    )
 
     _optimizer_instance: torch.optim.Optimizer | None = attrs.field(init=False, default=None)
     _recorder: IntermediateRepresentations | None = attrs.field(init=False, default=None)
@@ -457,6 +502,14 @@ class BaseExperienceReplayLearner:
     _weights_key: tuple[Any, ...] | None = attrs.field(init=False, default=None)
     # Heads fit added for new task ids, until on_train_start notes them for undo.
     _added_heads: list[int] = attrs.field(init=False, factory=list)
+    # buffer_filling="end": the update's data, whether its fill is done, how to take it back.
+    _update_data: Any = attrs.field(init=False, default=None)
+    _filled: bool = attrs.field(init=False, default=False)
+    _failed: bool = attrs.field(init=False, default=False)
+    _fill_undo: dict[str, Any] | None = attrs.field(init=False, default=None)
+    # Whether the learner fills its buffer its own way (the update's data before training, or
+    # herding at the end): buffer_filling must then stay "step" (no per-step or end fill).
+    _fills_own_buffer: ClassVar[bool] = False
 
     def __attrs_post_init__(self) -> None:
         # A preset's own components first; the given ones after them, or in their place.
@@ -467,6 +520,7 @@ class BaseExperienceReplayLearner:
             self.buffer = ReservoirBuffer(
                 max_size=self.memory_size, seed=_derived_seed(self.seed, 0)
             )
+        self._check_buffer_filling()
         if self.feature_modules:
             self._recorder = IntermediateRepresentations(self.model, list(self.feature_modules))
         if self.trainer.seed is None:
@@ -487,6 +541,23 @@ class BaseExperienceReplayLearner:
                 f"{type(self).__name__}: the component {pod[0]!r} distils intermediate "
                 "representations, but feature_modules is empty; pass the names of the submodules "
                 "to record, e.g. feature_modules=['layer1', 'layer2'] (see model.named_modules())"
+            )
+
+    def _check_buffer_filling(self) -> None:
+        """``buffer_filling="end"`` needs a buffer to fill, and a learner that does not fill its
+        buffer its own way (Joint, GDumb and repeated distillation put the update's data in
+        before training on it; iCaRL herds its exemplars at the end)."""
+        if self.buffer_filling != "step" and self._fills_own_buffer:
+            raise ValueError(
+                f"`{type(self).__name__}.buffer_filling` must be 'step' (the default): this "
+                "learner fills its buffer its own way (the update's data before training, or "
+                f"herding at the end), got {self.buffer_filling!r}; leave buffer_filling unset"
+            )
+        if self.buffer_filling == "end" and self.buffer is None:
+            raise ValueError(
+                f"`{type(self).__name__}.buffer_filling` is 'end' (fill the memory at the end of "
+                "each update), but the learner has no memory (memory_size=0 and no buffer); set "
+                "memory_size >= 1 or buffer_filling='step'"
             )
 
     def _split_batch(self) -> None:
@@ -552,6 +623,7 @@ class BaseExperienceReplayLearner:
             scheduler = None
             if self.learning_rate_scheduler is not None:
                 scheduler = self.learning_rate_scheduler(optimizer)
+            self._update_data = train_data if self.buffer_filling == "end" else None
             return self.trainer.fit(
                 self.model,
                 optimizer,
@@ -568,6 +640,7 @@ class BaseExperienceReplayLearner:
             raise
         finally:
             self._added_heads = []
+            self._update_data, self._fill_undo = None, None
 
     def _add_task_heads(self, data: Any) -> list[int]:
         """Add a head (of the model's ``num_outputs``) for every task id of a three-tensor
@@ -1130,20 +1203,61 @@ class BaseExperienceReplayLearner:
         added, self._added_heads = self._added_heads, []
         if added:  # the heads fit added for new task ids go again if no batch trains
             self._undo.append(functools.partial(self._remove_heads, added))
+        self._filled, self._failed, self._fill_undo = False, False, None
+        if self.buffer_filling == "end" and isinstance(buffer, DataBuffer):
+            # Put back by on_exception: a failed update leaves the buffer as it was (its
+            # contents, the logits an EMA moved, its generators); one copy per update.
+            self._fill_undo = _buffer_copy(buffer)
 
     def on_batch_end(self, batch: Any, outputs: Mapping[str, Any], state: Any) -> None:
-        """Offer the batch, its unmasked logits and its features to the buffer."""
+        """Offer the batch, its unmasked logits and its features to the buffer (with
+        ``buffer_filling="step"``)."""
         self._undo = None  # a batch went through: the update is under way
-        if self.buffer is None or state.batch_skipped:
+        if self.buffer is None or state.batch_skipped or self.buffer_filling == "end":
             return
         self._add_to_buffer(batch, outputs)
 
-    def on_exception(self) -> None:
+    def on_exception(self, exception: BaseException | None = None) -> None:
         """The update failed before a batch went through: put back what it changed (the buffer's
-        sampling generator, stored logits, the classes seen), so that it leaves no trace."""
+        sampling generator, stored logits, the classes seen), so that it leaves no trace.
+
+        With ``buffer_filling="end"`` a failed update, even one failing during or after its
+        fill, gets the whole buffer back as it was when the update started; an interrupted one
+        (``KeyboardInterrupt``) is not filled and keeps the buffer's draws, so that a checkpoint
+        written at its ``train_end`` resumes exactly."""
         undo, self._undo = self._undo, None
         for action in reversed(undo or ()):
             action()
+        self._failed = True
+        saved, self._fill_undo = self._fill_undo, None
+        if saved is not None and (self._filled or not isinstance(exception, KeyboardInterrupt)):
+            cast(DataBuffer, self.buffer).load_state_dict(saved)
+            self._filled = False
+
+    def on_train_end(self, model: nn.Module) -> None:
+        """With ``buffer_filling="end"``: offer the update's data to the buffer, once, unless the
+        update failed or was interrupted (a ``KeyboardInterrupt`` also ends in ``train_end``)."""
+        buffer, data = self.buffer, self._update_data
+        if buffer is None or data is None or self._failed or self._filled:
+            return
+        self._filled = True  # from here on a failure, even a KeyboardInterrupt, takes it back
+        self._fill_buffer(model, buffer, data)
+
+    def _fill_buffer(self, model: nn.Module, buffer: DataBuffer, data: Any) -> None:
+        """Offer every raw sample of ``data`` to ``buffer``, in order, with ``model``'s logits
+        (eval mode, no gradients, inputs through ``test_transform``) and recorded features."""
+        from renate_events.evaluation import inference  # imports this module: not at the top
+
+        device = _model_device(model)
+        with inference(model):
+            for batch in self._loader(data, shuffle=False):
+                inputs, targets, task_ids = _unpack_task(batch)
+                shown = to_device(inputs, device)
+                shown = self._transformed("test_transform", shown, len(targets))
+                ids = None if task_ids is None else task_ids.to(device)
+                logits = forward(model, shown, ids)
+                metadata = self._metadata(logits, self._features(), task_ids)
+                buffer.update(inputs, targets, metadata)
 
     def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
         inputs, targets, task_ids = _unpack_task(batch)
@@ -1176,8 +1290,16 @@ class BaseExperienceReplayLearner:
             checkpoint["buffer"] = self.buffer.state_dict()
         if self._seen_classes is not None:
             checkpoint["seen_classes"] = self._seen_classes
+        if self._filled:  # written at or after train_end: a resumed fit must not fill again
+            checkpoint["buffer_filled"] = True
 
     def on_load_checkpoint(self, checkpoint: Any) -> None:
+        filled = checkpoint.get("buffer_filled", False)
+        if not isinstance(filled, bool):
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint key 'buffer_filled' must be true or false, "
+                f"got {filled!r}"
+            )
         if self.buffer is not None:
             if "buffer" not in checkpoint:
                 raise ValueError(
@@ -1187,6 +1309,7 @@ class BaseExperienceReplayLearner:
             self.buffer.load_state_dict(checkpoint["buffer"])
         seen = checkpoint.get("seen_classes")
         self._seen_classes = None if seen is None else seen.clone()
+        self._filled = filled
 
 
 @attrs.define(eq=False)
@@ -1362,6 +1485,7 @@ class JointLearner(BaseExperienceReplayLearner):
     reset_model: bool = attrs.field(default=True, kw_only=True)
     # Where this update's data starts in the buffer, until on_train_start notes it for undo.
     _added_from: int | None = attrs.field(init=False, default=None)
+    _fills_own_buffer: ClassVar[bool] = True
 
     def __attrs_post_init__(self) -> None:
         if self.buffer is None:
@@ -1383,9 +1507,7 @@ class JointLearner(BaseExperienceReplayLearner):
                 self.check_data(train_data)
                 self._add_update_data(train_data)
                 if self.reset_model:
-                    for module in self.model.modules():
-                        if hasattr(module, "reset_parameters"):
-                            module.reset_parameters()
+                    _reset_parameters(self.model)
             return super().fit(buffer.dataset(), val_data, resume_from=resume_from)
         except BaseException:
             self._drop_update_data()  # when the fit failed before train_start noted it
@@ -1427,10 +1549,7 @@ class JointLearner(BaseExperienceReplayLearner):
 
     def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
         if isinstance(data, BufferDataset):  # stacked batches straight from the buffer's storage
-            sampler = _LiveShuffle(data) if shuffle else None
-            return DataLoader(
-                data, batch_size=self._new_batch_size, sampler=sampler, collate_fn=data.collate
-            )
+            return _buffer_loader(data, self._new_batch_size, shuffle)
         return super()._loader(data, shuffle)
 
     def _check_first_batch(
@@ -1541,7 +1660,8 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
 
     During an update the buffer holds only earlier updates' data; at the trainer's
     ``train_end`` every sample of the update's data is offered to it with the final model's
-    logits. ``loss_weight_new_data`` is ``w`` in ``[0, 1]``, or ``None`` (Renate's default) for
+    logits (``buffer_filling="end"``, this learner's default: the base learner's end fill).
+    ``loss_weight_new_data`` is ``w`` in ``[0, 1]``, or ``None`` (Renate's default) for
     ``w = N_t / (N_t + N_memory)``: the update's size over itself plus the buffer's, fixed when
     the update starts. Without a memory batch yet (the first update) the loss is ``L_new``, as in
     Renate. The memory loss is ``memory_loss`` (the learner's loss function, a fresh batch).
@@ -1553,7 +1673,9 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         kw_only=True,
         validator=validators.real_in_range(0, 1, optional=True),
     )
-    _update_data: Any = attrs.field(init=False, default=None)
+    buffer_filling: str = attrs.field(
+        default="end", kw_only=True, validator=validators.one_of(*BUFFER_FILLINGS)
+    )
 
     def default_components(self) -> dict[str, Component]:
         return {
@@ -1570,11 +1692,7 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         resume_from: str | os.PathLike[str] | None = None,
     ) -> FitResult:
         self._set_weights(train_data)
-        self._update_data = train_data
-        try:
-            return super().fit(train_data, val_data, resume_from=resume_from)
-        finally:
-            self._update_data = None
+        return super().fit(train_data, val_data, resume_from=resume_from)
 
     def _set_weights(self, train_data: Any) -> None:
         """``loss_weight = w`` and the memory loss's weight ``1 - w`` for this update."""
@@ -1598,32 +1716,6 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         if isinstance(memory_loss, WeightedCustomLossComponent):
             memory_loss.weight = 1.0 - float(weight)
 
-    def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
-        """Nothing per step: the buffer is filled at the end of the update."""
-
-    def on_train_end(self, model: nn.Module) -> None:
-        """Offer every raw sample of the update's data to the buffer, with the final model's
-        logits (of the inputs through ``test_transform``, the deterministic one)."""
-        buffer, data = self.buffer, self._update_data
-        if buffer is None or data is None:
-            return
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        device = _model_device(model)
-        try:
-            with torch.no_grad():
-                for batch in self._loader(data, shuffle=False):
-                    inputs, targets, task_ids = _unpack_task(batch)
-                    shown = to_device(inputs, device)
-                    shown = self._transformed("test_transform", shown, len(targets))
-                    ids = None if task_ids is None else task_ids.to(device)
-                    logits = forward(model, shown, ids)
-                    metadata = self._metadata(logits, self._features(), task_ids)
-                    buffer.update(inputs, targets, metadata)
-        finally:
-            for module, training in modes:
-                module.training = training
-
     def on_save_checkpoint(self, checkpoint: Any) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["loss_weight"] = self.loss_weight
@@ -1642,6 +1734,193 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
             memory_loss = self.components.get("memory_loss")
             if isinstance(memory_loss, WeightedCustomLossComponent):
                 memory_loss.weight = 1.0 - float(weight)
+
+
+def double_distillation_loss(
+    predicted_logits: torch.Tensor, target_logits: torch.Tensor
+) -> torch.Tensor:
+    """Renate's double distillation loss: per sample, half the mean squared difference between
+    the predicted logits and the target logits centred over the classes.
+
+    ``0.5 * mean_c (predicted - (target - mean_c target))^2``, of shape ``(B,)`` for logits of
+    shape ``(B, C)``. Centring the targets makes logits of several teachers comparable (Zhang et
+    al., "Class-incremental Learning via Deep Model Consolidation", WACV 2020).
+
+    Example:
+        >>> import torch
+        >>> double_distillation_loss(torch.zeros(1, 2), torch.tensor([[1.0, 3.0]]))
+        tensor([0.5000])
+    """
+    centred = target_logits - target_logits.mean(dim=1, keepdim=True)
+    return 0.5 * (predicted_logits - centred).pow(2).mean(dim=1)
+
+
+class _DistillationData(BufferDataset):
+    """A buffer's filled slots as ``(inputs, target, logits)``: the stored logits are the
+    distillation targets."""
+
+    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        inputs, target = super().__getitem__(index)
+        slot = torch.tensor([index % len(self.buffer)])
+        return inputs, target, self.buffer.get_metadata("logits", slot)[0]
+
+    def __getitems__(self, indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        inputs, targets = super().__getitems__(indices)
+        slots = torch.as_tensor(indices, dtype=torch.int64)
+        return inputs, targets, self.buffer.get_metadata("logits", slots)
+
+
+@attrs.define(eq=False)
+class RepeatedDistillationLearner(BaseExperienceReplayLearner):
+    """Repeated Distillation (Renate's ``RepeatedDistillationModelUpdater``): an expert trained
+    on the new data alone, then a freshly initialised model distilled from the memory.
+
+    After Deep Model Consolidation (Zhang et al., "Class-incremental Learning via Deep Model
+    Consolidation", WACV 2020), as Renate adapts it: every ``fit``
+
+    1. trains an expert, a copy of the model with re-initialised parameters, on the update's
+       data with ``loss_fn`` (a plain learner: same optimizer factory, scheduler, batch size,
+       ``train_transform`` and trainer settings, no listeners, no validation);
+    2. offers the update's data to the buffer with the expert's logits (the previous updates'
+       samples keep the logits of the model they consolidated into);
+    3. re-initialises the model and trains it on the whole buffer (shuffled, batches of
+       ``batch_size`` through ``buffer_transform``) with :func:`double_distillation_loss`
+       against the stored logits;
+    4. at ``train_end`` replaces every stored logit with the consolidated model's.
+
+    Logits are taken in eval mode on the inputs through ``test_transform`` (Renate takes them on
+    the raw inputs and, for the buffer, through its transform). Renate draws the
+    re-initialisations from the global RNG; here they are seeded from ``seed``, so that an update
+    in another process is reproducible. The buffer holds ``memory_size`` samples (reservoir by
+    default; at least 1); ``components``, ``feature_modules`` and an optimizer instance (the
+    expert needs a factory) are refused. A failed update, in either phase, leaves the model and
+    the buffer (from in-memory copies; not a memory-mapped buffer) as they were; a checkpoint of
+    the distillation phase resumes exactly.
+
+    Example:
+        >>> import torch
+        >>> from trainer import Trainer
+        >>> learner = RepeatedDistillationLearner(
+        ...     model=torch.nn.Linear(4, 3), memory_size=16, batch_size=8,
+        ...     trainer=Trainer(max_epochs=1, device="cpu"))
+        >>> data = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+        >>> learner.fit(data).steps, len(learner.buffer)
+        (2, 12)
+    """
+
+    memory_size: int = attrs.field(default=32, validator=validators.int_at_least(1))
+    _fills_own_buffer: ClassVar[bool] = True
+
+    def __attrs_post_init__(self) -> None:
+        name = type(self).__name__
+        if self.components:
+            raise ValueError(
+                f"`{name}.components` must be empty: its loss is the distillation loss alone, "
+                f"got {sorted(self.components)}"
+            )
+        if self.feature_modules:
+            raise ValueError(
+                f"`{name}.feature_modules` must be empty: it distils logits only, got "
+                f"{list(self.feature_modules)}"
+            )
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            raise validators.WrongTypeError(
+                f"`{name}.optimizer` must be a factory f(parameters): every update trains a new "
+                f"expert model, got an instance of {type(self.optimizer).__name__}; pass e.g. "
+                "functools.partial(torch.optim.Adam, lr=3e-4)"
+            )
+        super().__attrs_post_init__()
+
+    def fit(
+        self,
+        train_data: Dataset[Any] | Iterable[Any],
+        val_data: Dataset[Any] | Iterable[Any] | None = None,
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> FitResult:
+        """One update: the expert, the buffer, then the distillation (only the distillation when
+        resuming its checkpoint). ``train_data`` must be a dataset of ``(inputs, target)``."""
+        buffer = cast(DataBuffer, self.buffer)
+        model = {key: value.clone() for key, value in self.model.state_dict().items()}
+        saved = _buffer_copy(buffer)
+        try:
+            if resume_from is None:
+                self.check_data(train_data)
+                expert = self._train_expert(train_data)
+                self._fill_buffer(expert, buffer, train_data)
+                self._reinitialize(self.model, stream=4)
+            distillation = _DistillationData(buffer)
+            return super().fit(distillation, val_data, resume_from=resume_from)
+        except BaseException:
+            self.model.load_state_dict(model)
+            if saved is not None:
+                buffer.load_state_dict(saved)
+            raise
+
+    def _reinitialize(self, model: nn.Module, stream: int) -> None:
+        """Re-initialise ``model`` from a seed of its own (the global RNG is left as it was)."""
+        parameter = next(model.parameters(), None)
+        with self._rng_kept(parameter):
+            torch.manual_seed(_derived_seed(self.seed, stream))
+            _reset_parameters(model)
+
+    def _train_expert(self, data: Any) -> nn.Module:
+        """A re-initialised copy of the model, trained on ``data`` alone."""
+        expert = copy_without_hooks(self.model)
+        self._reinitialize(expert, stream=3)
+        settings = {f.alias: getattr(self.trainer, f.name) for f in attrs.fields(Trainer) if f.init}
+        learner = BaseExperienceReplayLearner(
+            model=expert,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            memory_size=0,
+            batch_size=self.batch_size,
+            learning_rate_scheduler=self.learning_rate_scheduler,
+            learning_rate_scheduler_interval=self.learning_rate_scheduler_interval,
+            seed=self.seed,
+            trainer=Trainer(**settings),
+            collate_fn=self.collate_fn,
+            train_transform=self.train_transform,
+            train_target_transform=self.train_target_transform,
+            test_transform=self.test_transform,
+        )
+        learner.fit(data)
+        return expert
+
+    def _loader(self, data: Any, shuffle: bool) -> Iterable[Any]:
+        if isinstance(data, BufferDataset):
+            return _buffer_loader(data, self._new_batch_size, shuffle)
+        return super()._loader(data, shuffle)
+
+    def training_step(self, batch: Any) -> dict[str, Any]:
+        """:func:`double_distillation_loss` of the model's outputs on a buffer batch against its
+        stored logits."""
+        inputs, targets, logits = batch
+        inputs = self._transformed("buffer_transform", inputs, len(targets))
+        net = self.trainer.training_model
+        outputs = forward(self.model if net is None else net, inputs)
+        loss = double_distillation_loss(outputs, logits).mean()
+        return {"loss": loss, "logits": outputs.detach(), "features": []}
+
+    def _add_to_buffer(self, batch: Any, outputs: Mapping[str, Any]) -> None:
+        """Nothing per step: the buffer got the update's data before the distillation."""
+
+    def on_train_end(self, model: nn.Module) -> None:
+        """Store the consolidated model's logits for every buffered sample (not after a failed
+        or interrupted distillation)."""
+        if self._failed:
+            return
+        from renate_events.evaluation import inference  # imports this module: not at the top
+
+        buffer = cast(DataBuffer, self.buffer)
+        device, start = _model_device(model), 0
+        with inference(model):
+            for inputs, targets in _buffer_loader(buffer.dataset(), self._new_batch_size, False):
+                shown = self._transformed("test_transform", to_device(inputs, device), len(targets))
+                logits = self._metadata(forward(model, shown), [])["logits"]
+                slots = torch.arange(start, start + len(targets), device=buffer.device)
+                buffer.set_metadata("logits", slots, logits, distinct=True)
+                start += len(targets)
 
 
 @attrs.define(eq=False)
@@ -1769,6 +2048,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
     _class_means: torch.Tensor | None = attrs.field(init=False, default=None)
     _known_classes: torch.Tensor | None = attrs.field(init=False, default=None)
     _herding_data: Any = attrs.field(init=False, default=None)
+    _fills_own_buffer: ClassVar[bool] = True  # herding at the end of each update
 
     def __attrs_post_init__(self) -> None:
         if self.buffer is None:

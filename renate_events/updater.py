@@ -77,6 +77,7 @@ from renate_events.learners import (
     LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
     PooledOutputDistillationExperienceReplayLearner,
+    RepeatedDistillationLearner,
     SuperExperienceReplayLearner,
     _takes_task_id,
     forward,
@@ -132,6 +133,7 @@ LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
     "offline-er": OfflineExperienceReplayLearner,
     "gdumb": GDumbLearner,
     "icarl": ICaRLLearner,
+    "repeated-distill": RepeatedDistillationLearner,
 }
 """Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
 :class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""

@@ -106,6 +106,10 @@ def test_update_and_evaluate_through_state_folders(tmp_path, capsys):
             ["update", "--input-state", "x", "--data", "missing.npz", "--output-state", "y"],
             "--data missing.npz: no such file",
         ),
+        (["run", "--buffer-filling", "epoch"], "--buffer-filling must be one of ['step', 'end']"),
+        (["run", "--buffer-filling", "end", "--memory-size", "0"], "memory_size >= 1 or"),
+        (["run", "--learner", "repeated-distill", "--memory-size", "0"], "must be an int >= 1"),
+        (["run", "--learner", "repeated-distill", "--buffer-filling", "end"], "must be 'step'"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_code_2(argv, message, capsys):

@@ -210,7 +210,10 @@ def _preset_rows() -> list[list[str]]:
                 continue
             own.append(f"``{field.name}={field.default!r}``")
         model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-        learner = cls(model=model, feature_modules=["0"], trainer=Trainer(device="cpu"))
+        try:
+            learner = cls(model=model, trainer=Trainer(device="cpu"))
+        except ValueError:  # POD components need recorded features
+            learner = cls(model=model, feature_modules=["0"], trainer=Trainer(device="cpu"))
         components = []
         for key, component in learner.components.items():
             detail = [f"weight {component.weight:g}"] if component.weight else ["no loss"]
