@@ -234,6 +234,18 @@ class _Passes(NamedTuple):
     fused: bool = False
 
 
+def _refuse_task_data(learner: Any, data: Any) -> None:
+    """Data with task ids (three tensors) for a learner that trains on its buffer's
+    ``(inputs, targets)`` samples (Joint, GDumb, repeated distillation): refused."""
+    tensors = getattr(data, "tensors", None)
+    if isinstance(tensors, tuple) and len(tensors) == 3:
+        raise ValueError(
+            f"{type(learner).__name__} trains on its buffer's (inputs, targets) samples, which "
+            "carry no task ids; give (inputs, targets) data, or use a replay learner (er, "
+            "der, ...) for task-incremental data"
+        )
+
+
 def _joined_task_ids(
     task_ids: torch.Tensor | None, task_ids_memory: torch.Tensor | None
 ) -> torch.Tensor | None:
@@ -1516,13 +1528,7 @@ class JointLearner(BaseExperienceReplayLearner):
     def check_data(self, data: Any) -> None:
         """As the base learner's; data with task ids (three tensors) is refused: the buffer's
         dataset, which this learner trains on, yields ``(inputs, targets)``."""
-        tensors = getattr(data, "tensors", None)
-        if isinstance(tensors, tuple) and len(tensors) == 3:
-            raise ValueError(
-                f"{type(self).__name__} trains on its buffer's (inputs, targets) samples, which "
-                "carry no task ids; give (inputs, targets) data, or use a replay learner (er, "
-                "der, ...) for task-incremental data"
-            )
+        _refuse_task_data(self, data)
         super().check_data(data)
 
     def _add_update_data(self, data: Any) -> None:
@@ -1856,6 +1862,12 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
             if saved is not None:
                 buffer.load_state_dict(saved)
             raise
+
+    def check_data(self, data: Any) -> None:
+        """As the base learner's; data with task ids is refused (the distillation trains on the
+        buffer's ``(inputs, targets)`` samples)."""
+        _refuse_task_data(self, data)
+        super().check_data(data)
 
     def _reinitialize(self, model: nn.Module, stream: int) -> None:
         """Re-initialise ``model`` from a seed of its own (the global RNG is left as it was)."""

@@ -18,6 +18,7 @@ from renate_events.learners import (
     JointLearner,
     LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
+    RepeatedDistillationLearner,
 )
 from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
 from renate_events.scenarios import Task
@@ -409,6 +410,7 @@ def test_models_learners_and_buffers_that_cannot_carry_task_ids() -> None:
         (LearningWithoutForgettingLearner, "'lwf'"),
         (ICaRLLearner, "ICaRLLossComponent"),
         (JointLearner, "no task ids"),
+        (RepeatedDistillationLearner, "no task ids"),
     )
     for cls, message in refused:
         learner = _learner(cls)
