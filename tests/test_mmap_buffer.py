@@ -258,3 +258,19 @@ def test_unlinked_buffers_leave_no_files_and_hold_their_rollback_snapshots(tmp_p
         other.update(inputs, targets, metadata)
     assert {p.name: _digest(p) for p in out.iterdir()} == digests  # read through a private map
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
+def test_unlinked_work_files_without_o_tmpfile_are_named_then_unlinked(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    buffer = MappedReservoirBuffer(8, folder=tmp_path, unlinked=True)
+    inputs, targets, metadata = _stream(1)[0]
+    buffer.update(inputs, targets, metadata)
+    assert list(tmp_path.iterdir()) == [] and len(buffer) == 8
+    assert torch.equal(buffer._storage()[0], inputs)  # the first 8 samples fill slots 0..7

@@ -1,25 +1,38 @@
 """Replay buffers whose storage is memory-mapped files: memories larger than RAM.
 
-:class:`MappedReservoirBuffer`, :class:`MappedSlidingWindowBuffer` and
-:class:`MappedGreedyClassBalancingBuffer` are the in-memory buffers with one difference: every
-storage tensor (input leaves, targets, metadata) is a file in ``folder`` mapped into memory
-(``torch.from_file(..., shared=True)``), so the operating system pages it in and out and the
-process's anonymous memory does not grow with the buffer. Slot choice, sampling and generator
-streams are those of the in-memory classes, so both draw exactly the same batches.
+:class:`MappedReservoirBuffer`, :class:`MappedSlidingWindowBuffer`,
+:class:`MappedGreedyClassBalancingBuffer` and :class:`MappedInfiniteBuffer` are the in-memory
+buffers with one difference: every storage tensor (input leaves, targets, metadata) is a file in
+``folder`` mapped into memory (``torch.from_file(..., shared=True)``), so the operating system
+pages it in and out and the process's anonymous memory does not grow with the buffer. Slot
+choice, sampling and generator streams are those of the in-memory classes, so both draw exactly
+the same batches.
 
 Files and crash safety (snapshot on checkpoint, "write a new file and swap"):
 
-* the buffer works on ``<name>.work.<i>.bin``; updates write there in place;
+* the buffer works on ``<name>.work.<i>.bin``; updates write there in place. With
+  ``unlinked=True`` the work files have no name at all (``O_TMPFILE``): the system frees them
+  when the buffer goes, so even a killed process leaves nothing in ``folder``;
 * :meth:`state_dict` (the learner calls it when a checkpoint is written) copies the filled rows
   to new files ``<name>.g<generation>.<i>.bin`` (written under a temporary name, flushed to disk,
-  then renamed), and returns only their names, shapes, dtypes, sizes and the generation counter,
-  never the data. A killed update can only damage the work files: every snapshot a checkpoint
-  names stays intact. The two newest generations are kept (an older one is deleted when a newer
-  one is written), so the checkpoint on disk and the one being written both find their files;
+  then renamed), and returns only their names, shapes, dtypes and the generation counter, never
+  the data. The copy is file to file: a reflink (``FICLONE``: shared blocks, copied when either
+  side is written) where the file system has them and the buffer is full, else an in-kernel
+  ``copy_file_range``. A killed update can only damage the work files: every snapshot a
+  checkpoint names stays intact. In ``folder`` the two newest generations are kept (an older one
+  is deleted when a newer one is written), so the checkpoint on disk and the one being written
+  both find their files. Within ``snapshots_to(folder)`` the files go to another
+  folder (a state folder being written); an ``unlinked`` buffer outside it (the trainer's
+  rollback snapshots) holds them unnamed, open, for :meth:`load_state_dict`;
 * :meth:`load_state_dict` checks the snapshot files (names, sizes, dtypes) before anything
-  changes and copies them into fresh work files.
+  changes and copies them into fresh work files, reading them through a private mapping
+  (``shared=False``), so that nothing this buffer does can write to them. Within
+  ``snapshots_from(folder)`` they are read from another folder.
 
-The folder is the user's (the lead points it into the state folder). Only CPU storage.
+A hard link of a work file into a state folder would share its blocks with a file that the next
+update writes in place, so the folder would change under its checksum: the snapshot is always a
+copy (or a reflink, which the file system copies on write). Only CPU storage.
+:class:`~renate_events.updater.ModelUpdater` uses these buffers with ``buffer_storage="mapped"``.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -131,7 +145,13 @@ def _unnamed(folder: pathlib.Path, size: int, what: str) -> tuple[int, str]:
     when the last descriptor and mapping go, so even a killed process leaves nothing behind.
     Returns its descriptor and a path that opens it (``/proc/self/fd/<fd>``)."""
     try:
-        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError as exc:  # a file system without O_TMPFILE: name it, then unlink it
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            fd, name = tempfile.mkstemp(".bin", ".unnamed.", folder)
+            os.unlink(name)
     except OSError as exc:
         raise _disk_error(exc, folder / "<unnamed>", size, what) from exc
     try:
