@@ -88,6 +88,7 @@ from renate_events.memory import (
     SlidingWindowBuffer,
 )
 from renate_events.memory.mapped import (
+    MappedFileError,
     MappedGreedyClassBalancingBuffer,
     MappedReservoirBuffer,
     MappedSlidingWindowBuffer,
@@ -95,6 +96,7 @@ from renate_events.memory.mapped import (
 from trainer import CheckpointError, FitResult, Trainer
 from trainer import validators as checks
 from trainer.data import to_device
+from trainer.exceptions import ListenerError
 from trainer.files import (
     FileLock,
     fsync_folder,
@@ -1852,13 +1854,22 @@ def _write_contents(
     return hashlib.sha256(raw).hexdigest()
 
 
-def _mapped_files(learner: BaseExperienceReplayLearner, which: str, folder: str) -> Any:
+@contextmanager
+def _mapped_files(learner: BaseExperienceReplayLearner, which: str, folder: str) -> Iterator[None]:
     """A context in which the learner's mapped buffer (if it has one) writes (``which`` is
-    ``"snapshots_to"``) or reads (``"snapshots_from"``) its snapshot files in ``folder``."""
+    ``"snapshots_to"``) or reads (``"snapshots_from"``) its snapshot files in ``folder``; its
+    file errors (a full disk, a file of the wrong size) come out as :class:`trainer.
+    CheckpointError` (writing) or :class:`StateFolderError` (reading), not inside the trainer's
+    ``ListenerError``."""
     buffer = getattr(learner, "buffer", None)
-    if isinstance(buffer, _MAPPED_TYPES):
-        return getattr(buffer, which)(folder)
-    return nullcontext()
+    with getattr(buffer, which)(folder) if isinstance(buffer, _MAPPED_TYPES) else nullcontext():
+        try:
+            yield
+        except ListenerError as exc:
+            if not isinstance(exc.__cause__, MappedFileError):
+                raise
+            error = CheckpointError if which == "snapshots_to" else StateFolderError
+            raise error(f"{folder}: {exc.__cause__}") from exc
 
 
 _MAPPED_TYPES = tuple(_MAPPED_BUFFERS.values())

@@ -21,6 +21,7 @@ from renate_events.cli import main
 from renate_events.memory.mapped import MappedReservoirBuffer
 from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
 from tests.helpers import run_in_fresh_process
+from trainer import CheckpointError
 from trainer.exceptions import ListenerError
 
 
@@ -227,7 +228,7 @@ def test_a_checkpoint_whose_buffer_file_record_lies_about_the_shape_is_refused(t
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     _rewrite_manifest(first, lambda m: m["files"].update({target.name: digest}))
     updater = _updater("mapped", input_state_folder=first)
-    with pytest.raises(ListenerError, match=f"{target.name}.*must hold 256 bytes, got 255"):
+    with pytest.raises(StateFolderError, match=f"{target.name}.*must hold 256 bytes, got 255"):
         updater.learner_instance  # noqa: B018
 
 
@@ -272,13 +273,13 @@ def test_a_full_disk_while_loading_or_writing_changes_nothing(tmp_path, monkeypa
     with monkeypatch.context() as patch:  # the work files of the loaded buffer
         patch.setattr(os, "posix_fallocate", full)
         updater = _updater("mapped", input_state_folder=first, output_state_folder=tmp_path / "o")
-        with pytest.raises(ListenerError, match=r"load_checkpoint.*the disk is full"):
+        with pytest.raises(StateFolderError, match=r"mapped-1: .*the disk is full"):
             updater.learner_instance  # noqa: B018
     updater = _updater("mapped", input_state_folder=first, output_state_folder=tmp_path / "o")
     updater.update(_task(2), write=False)
     with monkeypatch.context() as patch:  # the snapshot files of the output folder
         patch.setattr(os, "copy_file_range", full)
-        with pytest.raises(ListenerError, match=r"save_checkpoint.*the disk is full"):
+        with pytest.raises(CheckpointError, match=r"could not write the state folder .*/o: .*full"):
             updater.write_output()
     assert _files(first) == before and not (tmp_path / "o").exists()
     assert [p.name for p in tmp_path.iterdir() if ".o." in p.name] == [".o.lock"]
@@ -291,7 +292,7 @@ def _write_with_a_file_size_limit(folder, output, limit):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     try:
         _updater("mapped", input_state_folder=folder, output_state_folder=output).update(_task(2))
-    except ListenerError as exc:  # the work files of the loaded buffer exceed the limit
+    except StateFolderError as exc:  # the work files of the loaded buffer exceed the limit
         if "cannot write the 256-byte buffer file" in str(exc) and "file-size limit" in str(exc):
             os._exit(3)
         raise

@@ -63,6 +63,7 @@ from trainer.files import fsync_folder
 
 __all__ = [
     "MAPPED_STATE_VERSION",
+    "MappedFileError",
     "MappedGreedyClassBalancingBuffer",
     "MappedInfiniteBuffer",
     "MappedReservoirBuffer",
@@ -81,6 +82,11 @@ _DTYPES = {
     )
 }  # fmt: skip
 _FILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\.g[0-9]{1,18}\.[0-9]{1,4}\.bin")
+
+
+class MappedFileError(ValueError):
+    """A buffer file cannot be made, written or used: the disk is full, read-only or over a
+    limit, or a snapshot file is missing or of the wrong size. Raised before any slot changes."""
 
 
 def _check_folder(instance: Any, attribute: attrs.Attribute[Any], value: pathlib.Path) -> None:
@@ -112,9 +118,9 @@ _REASONS = {
 }
 
 
-def _disk_error(exc: OSError, path: pathlib.Path, size: int, what: str) -> ValueError:
+def _disk_error(exc: OSError, path: pathlib.Path, size: int, what: str) -> MappedFileError:
     reason = _REASONS.get(exc.errno, exc.strerror) if exc.errno else str(exc)
-    return ValueError(
+    return MappedFileError(
         f"{what}: cannot write the {size}-byte buffer file {str(path)!r}: {reason}; give the "
         "buffer a folder on a writable disk with room for it"
     )
@@ -456,7 +462,7 @@ class _MappedStorage:
             path = f"/proc/self/fd/{self._files.held[name][0]}"  # an unnamed snapshot
         if not os.path.isfile(path) or os.stat(path).st_size != expected:
             size = os.stat(path).st_size if os.path.isfile(path) else "missing"
-            raise ValueError(
+            raise MappedFileError(
                 f"{where}: the buffer file {str(path)!r} must hold {expected} bytes, got {size}; "
                 "the folder does not hold this checkpoint's buffer files"
             )
