@@ -48,6 +48,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -55,7 +56,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import safetensors.torch
@@ -454,6 +455,31 @@ def _sample_signature(inputs: Any, targets: Any) -> dict[str, Any]:
     return {"inputs": one(inputs), "targets": one(targets)}
 
 
+def _check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> None:
+    """A mapped buffer without storage yet (a first update) makes its files only once training
+    has begun: refuse now a disk without room for ``max_size`` samples of ``signature`` (their
+    metadata, such as DER's logits, not counted: a lower bound)."""
+    buffer = getattr(learner, "buffer", None)
+    if not isinstance(buffer, _MAPPED_TYPES) or buffer.capacity > 0 or not signature:
+        return
+    pairs = [signature["inputs"], signature["targets"]]
+    if not all(isinstance(pair, list) and hasattr(torch, pair[1]) for pair in pairs):
+        return  # inputs that are not one tensor: their size is known at the first batch
+    row = sum(
+        math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        for shape, dtype in pairs
+    )
+    needed = row * cast(int, buffer.max_size)
+    stats = os.statvfs(buffer.folder)
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise UpdateInputError(
+            f"the mapped buffer needs at least {needed} bytes in {buffer.folder} ({buffer.max_size}"
+            f" samples of {row} bytes), but its disk has {free} bytes free; free space there or "
+            "pass buffer_folder on another disk"
+        )
+
+
 def _first_difference(old: str, new: str) -> str:
     """``line 12: 'a' became 'b'`` for the first lines that differ between two texts."""
     import difflib
@@ -700,6 +726,7 @@ class ModelUpdater:
         learner = self.learner_instance
         self._expected_output()  # checks the output folder, remembers what it holds now
         signature = self._check_inputs(learner, train_dataset, "the training data")
+        _check_buffer_room(learner, signature)
         current, validation = self._validation_data(val_dataset)
         self._check_metric(validation is not None)
         best = None if self.metric is None else _BestWeights(learner.model, self.metric, self.mode)

@@ -19,7 +19,12 @@ from torch.utils.data import TensorDataset
 
 from renate_events.cli import main
 from renate_events.memory.mapped import MappedReservoirBuffer
-from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
+from renate_events.updater import (
+    ModelUpdater,
+    StateFolderError,
+    UpdateInputError,
+    read_manifest,
+)
 from tests.helpers import run_in_fresh_process
 from trainer import CheckpointError
 from trainer.exceptions import ListenerError
@@ -249,6 +254,26 @@ def test_samples_of_another_shape_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="per-sample shape"):
         buffer.update(torch.zeros(2, 5), torch.arange(2))
     assert buffer.num_seen == 2
+
+
+def test_a_first_update_on_a_disk_without_room_for_the_buffer_is_refused_before_training(
+    tmp_path, monkeypatch
+):
+    updater = _updater("mapped", output_state_folder=tmp_path / "out")
+    before = {k: v.clone() for k, v in updater.model.state_dict().items()}
+    real = os.statvfs(tmp_path)
+
+    class Almost:  # room for 15 of the 16 samples of 4 float32 and an int64 (24 bytes each)
+        f_frsize, f_bavail = 1, 15 * 24
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Almost if str(tmp_path) in str(path) else real)
+    with pytest.raises(UpdateInputError, match=r"at least 384 bytes .*has 360 bytes free"):
+        updater.update(_task(0))
+    assert all(torch.equal(before[k], v) for k, v in updater.model.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    updater.update(_task(0))  # room again: the same updater goes on
+    assert read_manifest(tmp_path / "out")["updates"] == 1
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
