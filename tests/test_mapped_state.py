@@ -276,6 +276,32 @@ def test_a_first_update_on_a_disk_without_room_for_the_buffer_is_refused_before_
     assert read_manifest(tmp_path / "out")["updates"] == 1
 
 
+def test_a_read_only_buffer_folder_or_file_system_is_refused_before_anything_changes(
+    tmp_path, monkeypatch
+):
+    """As root (where chmod does not stop writes), the refusals are injected."""
+    folder = tmp_path / "buffers"
+    folder.mkdir()
+    real_access, real_open = os.access, os.open
+    monkeypatch.setattr(os, "access", lambda p, m: str(p) != str(folder) and real_access(p, m))
+    with pytest.raises(ValueError, match=r"buffer_folder: .*must be a writable folder"):
+        _updater("mapped", buffer_folder=folder).learner_instance  # noqa: B018
+    monkeypatch.undo()
+    first, _, _ = _chain(tmp_path, "mapped")
+    before = _files(first)
+
+    def read_only(path, flags, *args):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    updater = _updater("mapped", input_state_folder=first, output_state_folder=tmp_path / "o")
+    with pytest.raises(StateFolderError, match="the file system is read-only"):
+        updater.learner_instance  # noqa: B018
+    assert _files(first) == before and not (tmp_path / "o").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_buffer_folder_is_refused_before_training(tmp_path):
     folder = tmp_path / "read-only"
