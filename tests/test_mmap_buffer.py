@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import os
@@ -274,3 +275,13 @@ def test_unlinked_work_files_without_o_tmpfile_are_named_then_unlinked(tmp_path,
     buffer.update(inputs, targets, metadata)
     assert list(tmp_path.iterdir()) == [] and len(buffer) == 8
     assert torch.equal(buffer._storage()[0], inputs)  # the first 8 samples fill slots 0..7
+
+
+def test_a_mapped_buffer_is_not_copied_with_its_open_files(tmp_path):
+    buffer = MappedReservoirBuffer(4, folder=tmp_path, unlinked=True)
+    buffer.update(torch.zeros(2, 3), torch.arange(2))
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(buffer)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.copy(buffer._files)
+    assert len(buffer) == 2

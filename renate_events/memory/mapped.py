@@ -232,6 +232,14 @@ class _WorkFiles:
     def release_up_to(self, generation: int) -> None:
         self.release([name for name, (_, g) in self.held.items() if g <= generation])
 
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
+        raise TypeError(
+            "a mapped buffer cannot be copied (its files are open, and a copy would close them "
+            "twice): make another one and give it this one's state_dict()"
+        )
+
+    __copy__ = __deepcopy__
+
     def __del__(self) -> None:
         self.replace([], [])
         self.release(list(self.held))
@@ -421,7 +429,8 @@ class _MappedStorage:
         full["targets"] = None if structure is None else tensors[num_inputs]
         full["metadata"] = dict(zip(keys, tensors[num_inputs + 1 :]))
         super().load_state_dict(full)  # type: ignore[misc]
-        self._generation = mapped["generation"]
+        # never back: a later snapshot must not take the name of one that a checkpoint names
+        self._generation = max(self._generation, mapped["generation"])
 
     def _open_snapshot(self, mapped: Any, length: Any) -> list[torch.Tensor]:
         where = "state['mapped']"
