@@ -26,7 +26,7 @@ from renate_events.updater import (
     read_manifest,
 )
 from tests.helpers import run_in_fresh_process
-from trainer import CheckpointError
+from trainer import CheckpointError, read_checkpoint
 from trainer.exceptions import ListenerError
 
 
@@ -419,6 +419,15 @@ def test_cli_update_with_mapped_storage_matches_memory(tmp_path, capsys):
         _files(tmp_path / "mapped-1")["model.safetensors"]
         == _files(tmp_path / "memory-1")["model.safetensors"]
     )
+    saved = read_checkpoint(tmp_path / "memory-1" / "learner.safetensors")
+    mapped = read_checkpoint(tmp_path / "mapped-1" / "learner.safetensors")
+    buffer = saved["listeners"]["learner"]["buffer"]
+    tensors = [*buffer["inputs"], buffer["targets"], *buffer["metadata"].values()]
+    records = mapped["listeners"]["learner"]["buffer"]["mapped"]["files"]
+    assert len(records) == len(tensors) == 3  # inputs, targets, DER's logits
+    for tensor, record in zip(tensors, records):
+        raw = bytearray((tmp_path / "mapped-1" / record["file"]).read_bytes())
+        assert torch.equal(torch.frombuffer(raw, dtype=tensor.dtype).view(tensor.shape), tensor)
     capsys.readouterr()
     code = main(
         [
