@@ -12,21 +12,36 @@ measured first, before the in-memory one is allocated.
 
 Run: ``python benchmarks/mmap_buffer.py`` (default 300 000 slots, ~900 MB on disk, under a
 minute); ``--slots 1000000`` for ~3 GB.
+
+``--state-folder`` measures instead what a :class:`~renate_events.updater.ModelUpdater` update
+costs around its buffer, for ``buffer_storage="memory"`` and ``"mapped"``: an ER learner whose
+reservoir of ``--slots`` uint8 CIFAR-shaped samples (with their logits, 3 120 bytes) is full,
+trained for one epoch on 256 new samples, then the output state folder written
+(``write_output``: checkpoint, buffer files, checksums) and read back by the next update's
+updater (checksums verified, the buffer copied into its working files); plus, for scale, one
+SHA-256 pass and one plain file copy of the buffer's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
+from torch.utils.data import TensorDataset
 
 from renate_events.memory import DataBuffer, ReservoirBuffer
 from renate_events.memory.mapped import MappedReservoirBuffer
+from renate_events.transforms import ToFloat
+from renate_events.updater import ModelUpdater
 
 BATCH = 32
 SHAPE = (3, 32, 32)
@@ -72,13 +87,82 @@ def step_cost(buffer: DataBuffer, steps: int) -> float:
     return statistics.median(times[10:])
 
 
+def _state_updater(storage: str, slots: int, **folders: str) -> ModelUpdater:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, CLASSES))
+    return ModelUpdater(
+        model,
+        learner="er",
+        learner_kwargs={"memory_size": slots, "batch_size": 64, "memory_batch_size": 64},
+        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        transforms={"train_transform": ToFloat(), "buffer_transform": ToFloat()},
+        buffer_storage=storage,
+        validation_memory=False,
+        **folders,
+    )
+
+
+def _timed(function: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def state_folder_cost(slots: int, folder: str | None) -> None:
+    """One update's buffer-related cost through state folders, in memory and mapped."""
+    inputs, targets, _ = _batch(256, torch.Generator().manual_seed(2))
+    new = TensorDataset(inputs, targets)
+    for storage in ("memory", "mapped"):
+        with tempfile.TemporaryDirectory(dir=folder) as root:
+            first = os.path.join(root, "s1")
+            updater = _state_updater(storage, slots, output_state_folder=first)
+            fill(updater.learner_instance.buffer, slots)
+            train = _timed(updater.update, new, None, None)
+            write = _timed(updater.write_output)
+            del updater
+            gc.collect()
+            following = _state_updater(storage, slots, input_state_folder=first)
+            read = _timed(getattr, following, "learner_instance")
+            sizes = {name: os.path.getsize(os.path.join(first, name)) for name in os.listdir(first)}
+            total = sum(sizes.values()) / 2**20
+            print(
+                f"{storage}: update (1 epoch, 256 samples) {train:.2f} s; write the state folder "
+                f"{write:.2f} s; read it into the next update {read:.2f} s; folder {total:.0f} MiB "
+                f"(learner.safetensors {sizes['learner.safetensors'] / 2**20:.1f} MiB)"
+            )
+            if storage == "mapped":
+                largest = max((n for n in sizes if n.startswith("buffer.")), key=sizes.get)
+                path = os.path.join(first, largest)
+                digest = _timed(_sha256, path)
+                copy = _timed(shutil.copyfile, path, path + ".copy")
+                print(
+                    f"  for scale, on {largest} ({sizes[largest] / 2**20:.0f} MiB, page-cached): "
+                    f"SHA-256 {digest:.2f} s, plain copy {copy:.2f} s"
+                )
+            del following
+            gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, default=300_000)
     parser.add_argument("--steps", type=int, default=1_000)
     parser.add_argument("--folder", default=None)
+    parser.add_argument("--state-folder", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.state_folder:
+        print(f"torch {torch.__version__}, Python {platform.python_version()}, 1 thread")
+        state_folder_cost(args.slots, args.folder)
+        return
     slot_bytes = SHAPE[0] * SHAPE[1] * SHAPE[2] + 8 + 4 * CLASSES
     size_mib = args.slots * slot_bytes / 2**20
     print(f"torch {torch.__version__}, Python {platform.python_version()}, 1 thread")

@@ -45,6 +45,7 @@ from renate_events.scenarios import SCENARIOS
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
+    BUFFER_STORAGES,
     BUFFERS,
     LEARNERS,
     OPTIMIZERS,
@@ -328,6 +329,14 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
         choices=("median", "none"),
         default="median",
         help="median (default): stop trials worse than the median at the same epoch; none",
+    )
+    update.add_argument(
+        "--buffer-storage",
+        choices=BUFFER_STORAGES,
+        default=None,
+        help="memory: the buffer in RAM, saved in the checkpoint; mapped: memory-mapped files, "
+        "saved as files of the state folder, for buffers larger than RAM (default: the input "
+        "state's, else memory)",
     )
     update.add_argument(
         "--lock-timeout",
@@ -619,6 +628,7 @@ class _UpdateOptions:
     lock_timeout: float = attrs.field(validator=checks.real_in_range(0.0))
     learner: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(LEARNERS))))
     buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
+    buffer_storage: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFER_STORAGES)))
     memory_size: int | None = attrs.field(validator=checks.int_at_least(0, optional=True))
     epochs: int | None = attrs.field(validator=checks.int_at_least(1, optional=True))
     lr: float | None = attrs.field(validator=_optional(_FINITE_POSITIVE))
@@ -972,6 +982,7 @@ def _updater_from_folder(
             learner=learner,
             learner_kwargs=learner_kwargs,
             buffer=buffer,
+            buffer_storage=_buffer_storage(overrides, manifest),
             trainer_kwargs=_trainer_setting(overrides, manifest, folder),
             metadata=manifest["metadata"],
             input_state_folder=folder,
@@ -1020,6 +1031,12 @@ def _learner_settings(
             kwargs[name] = overrides[name]
     kwargs.update(hyper)
     return learner, buffer, kwargs
+
+
+def _buffer_storage(overrides: Mapping[str, Any], manifest: Mapping[str, Any] | None) -> str:
+    """``--buffer-storage``, else the input state's (absent from its manifest: in memory)."""
+    saved = "memory" if manifest is None else manifest.get("buffer_storage", "memory")
+    return overrides.get("buffer_storage") or saved
 
 
 def _default_buffer(learner: str) -> str:
@@ -1144,6 +1161,7 @@ def _config_updater(
             learner=learner,
             learner_kwargs=learner_kwargs,
             buffer=buffer,
+            buffer_storage=_buffer_storage(overrides, manifest),
             trainer_kwargs=_trainer_setting(overrides, manifest, folder),
             metadata={} if manifest is None else manifest["metadata"],
             **_optimizer_setting(overrides, manifest, config),
@@ -1684,6 +1702,7 @@ def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
 def _overrides(options: Any) -> dict[str, Any]:
     """The training options given (None: keep the input state's value)."""
     names = (*_TRAINING, "optimizer", "momentum", "weight_decay", "device", "precision")
+    names += ("buffer_storage",)
     return {name: getattr(options, name, None) for name in names}
 
 

@@ -48,13 +48,15 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from typing import Any, TypeVar
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, TypeVar, cast
 
 import attrs
 import safetensors.torch
@@ -90,9 +92,16 @@ from renate_events.memory import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
+from renate_events.memory.mapped import (
+    MappedFileError,
+    MappedGreedyClassBalancingBuffer,
+    MappedReservoirBuffer,
+    MappedSlidingWindowBuffer,
+)
 from trainer import CheckpointError, FitResult, Trainer
 from trainer import validators as checks
 from trainer.data import to_device
+from trainer.exceptions import ListenerError
 from trainer.files import (
     FileLock,
     fsync_folder,
@@ -105,6 +114,7 @@ from trainer.listeners import EarlyStopping
 
 __all__ = [
     "BUFFERS",
+    "BUFFER_STORAGES",
     "LEARNERS",
     "OPTIMIZERS",
     "TRANSFORMS",
@@ -146,6 +156,17 @@ BUFFERS: dict[str, type[DataBuffer]] = {
 }
 """Buffer names for :class:`ModelUpdater` and the command line (built with the learner's
 ``memory_size`` and ``seed``)."""
+
+BUFFER_STORAGES = ("memory", "mapped")
+"""Where :class:`ModelUpdater` keeps the buffer: ``"memory"`` (tensors, saved inside
+``learner.safetensors``) or ``"mapped"`` (memory-mapped files, saved as files of the state folder:
+see :mod:`renate_events.memory.mapped` and the docs' "Buffers beyond RAM")."""
+_MAPPED_BUFFERS: dict[str, type[DataBuffer]] = {
+    "reservoir": MappedReservoirBuffer,
+    "sliding-window": MappedSlidingWindowBuffer,
+    "greedy-class-balancing": MappedGreedyClassBalancingBuffer,
+}
+_BUFFER_FILE = re.compile(r"buffer\.g[0-9]{1,18}\.[0-9]{1,4}\.bin")  # a mapped buffer's snapshot
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -441,6 +462,31 @@ def _sample_signature(inputs: Any, targets: Any) -> dict[str, Any]:
     return {"inputs": one(inputs), "targets": one(targets)}
 
 
+def _check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> None:
+    """A mapped buffer without storage yet (a first update) makes its files only once training
+    has begun: refuse now a disk without room for ``max_size`` samples of ``signature`` (their
+    metadata, such as DER's logits, not counted: a lower bound)."""
+    buffer = getattr(learner, "buffer", None)
+    if not isinstance(buffer, _MAPPED_TYPES) or buffer.capacity > 0 or not signature:
+        return
+    pairs = [signature["inputs"], signature["targets"]]
+    if not all(isinstance(pair, list) and hasattr(torch, pair[1]) for pair in pairs):
+        return  # inputs that are not one tensor: their size is known at the first batch
+    row = sum(
+        math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        for shape, dtype in pairs
+    )
+    needed = row * cast(int, buffer.max_size)
+    stats = os.statvfs(buffer.folder)
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise UpdateInputError(
+            f"the mapped buffer needs at least {needed} bytes in {buffer.folder} ({buffer.max_size}"
+            f" samples of {row} bytes), but its disk has {free} bytes free; free space there or "
+            "pass buffer_folder on another disk"
+        )
+
+
 def _first_difference(old: str, new: str) -> str:
     """``line 12: 'a' became 'b'`` for the first lines that differ between two texts."""
     import difflib
@@ -511,6 +557,14 @@ class ModelUpdater:
         accept_config_change: Allow a config file that differs from the state folder's.
         architecture: The model's name for ``model.json`` (default: the model's
             ``architecture`` attribute, or its class name).
+        buffer_storage: A name from :data:`BUFFER_STORAGES`. ``"mapped"`` keeps the buffer in
+            memory-mapped files (for buffers larger than RAM); the state folder then holds the
+            buffer's snapshot files ``buffer.g<generation>.<i>.bin`` beside the checkpoint. The
+            choice is recorded, and a later update must make the same one.
+        buffer_folder: Where a mapped buffer's working files are made while it is in use
+            (default: the output state folder's parent, else the input's, else the system's
+            temporary folder); they have no name there, so nothing is left when the process
+            ends, killed or not. Best on the disk of the state folders.
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
@@ -593,6 +647,12 @@ class ModelUpdater:
     architecture: str | None = attrs.field(
         default=None, kw_only=True, validator=checks.non_empty_string("a name", optional=True)
     )
+    buffer_storage: str = attrs.field(
+        default="memory", kw_only=True, validator=checks.one_of(*BUFFER_STORAGES)
+    )
+    buffer_folder: str | os.PathLike[str] | None = attrs.field(
+        default=None, kw_only=True, validator=_folder
+    )
 
     _learner: BaseExperienceReplayLearner | None = attrs.field(init=False, default=None)
     _manifest: dict[str, Any] | None = attrs.field(init=False, default=None)
@@ -673,6 +733,7 @@ class ModelUpdater:
         learner = self.learner_instance
         self._expected_output()  # checks the output folder, remembers what it holds now
         signature = self._check_inputs(learner, train_dataset, "the training data")
+        _check_buffer_room(learner, signature)
         current, validation = self._validation_data(val_dataset)
         self._check_metric(validation is not None)
         best = None if self.metric is None else _BestWeights(learner.model, self.metric, self.mode)
@@ -941,7 +1002,8 @@ class ModelUpdater:
                 self._check_compatible(manifest)
                 if manifest["validation_memory"]:
                     self._subscribe_memory(learner)
-                learner.load_checkpoint(os.path.join(folder, _CHECKPOINT))
+                with _mapped_files(learner, "snapshots_from", folder):
+                    learner.load_checkpoint(os.path.join(folder, _CHECKPOINT))
                 return manifest, token
 
             try:
@@ -974,9 +1036,7 @@ class ModelUpdater:
         memory_size = kwargs.get("memory_size", fields["memory_size"].default)
         checks.check_int("ModelUpdater.learner_kwargs['memory_size']", memory_size, 0)
         if memory_size > 0 and learner_class is not JointLearner:
-            kwargs["buffer"] = BUFFERS[self.buffer](
-                max_size=memory_size, seed=kwargs.get("seed", 0)
-            )
+            kwargs["buffer"] = self._make_buffer(memory_size, kwargs.get("seed", 0))
         given = {
             "loss_fn": self.loss_fn,
             "learning_rate_scheduler": self.learning_rate_scheduler,
@@ -1003,6 +1063,23 @@ class ModelUpdater:
             **given,
             **kwargs,
         )
+
+    def _make_buffer(self, memory_size: int, seed: int) -> DataBuffer:
+        if self.buffer_storage == "memory":
+            return BUFFERS[self.buffer](max_size=memory_size, seed=seed)
+        folder = self.buffer_folder
+        if folder is None:
+            given = (self.output_state_folder, self.input_state_folder)
+            parents = [os.path.dirname(_key(f)) for f in given if f is not None]
+            folder = next((p for p in parents if os.path.isdir(p)), tempfile.gettempdir())
+        try:
+            return _MAPPED_BUFFERS[self.buffer](
+                max_size=memory_size, seed=seed, folder=folder, unlinked=True
+            )
+        except ValueError as exc:
+            raise ValueError(
+                f"ModelUpdater.buffer_folder: {exc} (the mapped buffer's working files go there)"
+            ) from None
 
     def _optimizer_factory(self) -> Callable[..., torch.optim.Optimizer]:
         if not isinstance(self.optimizer, Mapping):
@@ -1066,6 +1143,9 @@ class ModelUpdater:
         )
         if self.config_file is not None or "config" not in manifest:
             manifest["config"] = self._config_record()
+        manifest.pop("buffer_storage", None)
+        if self.buffer_storage != "memory":  # absent: in memory (as in every earlier folder)
+            manifest["buffer_storage"] = self.buffer_storage
         manifest.setdefault("updates", 0)
         manifest["task_ids"] = list(manifest.get("task_ids", []))
         manifest["history"] = list(manifest.get("history", []))
@@ -1093,6 +1173,12 @@ class ModelUpdater:
                 differences.append(
                     f"learner_kwargs[{key!r}]: the folder has {saved!r}, this updater {live!r}"
                 )
+        saved_storage = manifest.get("buffer_storage", "memory")
+        if saved_storage != self.buffer_storage:
+            differences.append(
+                f"buffer_storage: the folder has {saved_storage!r}, this updater "
+                f"{self.buffer_storage!r} (renate-events update --buffer-storage {saved_storage})"
+            )
         differences += _model_differences(manifest["model"], mine["model"])
         if differences:
             raise StateFolderError(
@@ -1360,7 +1446,8 @@ def _token(folder: str) -> str | None:
     entries = sorted(os.listdir(folder))
     if not entries:
         return None
-    others = [entry for entry in entries if entry not in (_MANIFEST, *_FILES, *_OPTIONAL_FILES)]
+    known = (_MANIFEST, *_FILES, *_OPTIONAL_FILES)
+    others = [e for e in entries if e not in known and not _BUFFER_FILE.fullmatch(e)]
     if others or _MANIFEST not in entries:
         shown = others[:5] + (["..."] if len(others) > 5 else [])
         raise StateFolderError(
@@ -1406,12 +1493,21 @@ def _read_verified(folder: str) -> tuple[dict[str, Any], str]:
     raw = _read_manifest_bytes(path)
     manifest = _parse_manifest(path, raw)
     _check_manifest(path, manifest)
-    for name, checksum in manifest["files"].items():
+    files = manifest["files"]
+    for name, checksum in files.items():
         file = os.path.join(folder, name)
         if os.path.islink(file) or not os.path.isfile(file):
             raise StateFolderError(f"{folder} lacks the plain file {name} that its manifest lists")
         if sha256_of_file(file) != checksum:
             raise StateFolderError(f"{file} does not match the checksum in its manifest")
+    unlisted = sorted(
+        name for name in os.listdir(folder) if _BUFFER_FILE.fullmatch(name) and name not in files
+    )
+    if unlisted:  # a mapped buffer reads only files whose checksums were checked here
+        raise StateFolderError(
+            f"{os.path.join(folder, unlisted[0])}: a buffer file that {_MANIFEST}'s key 'files' "
+            "does not list (so no checksum vouches for it); the folder was altered"
+        )
     return manifest, hashlib.sha256(raw).hexdigest()
 
 
@@ -1480,7 +1576,8 @@ def _check_manifest(path: str, manifest: Any) -> None:
             f"{list(_READABLE_VERSIONS)}"
         )
     keys = _MANIFEST_KEYS if version >= 2 else _MANIFEST_KEYS_V1
-    missing, unknown = keys - set(manifest), set(manifest) - keys
+    optional = {"buffer_storage"} if version >= 2 else set()
+    missing, unknown = keys - set(manifest), set(manifest) - keys - optional
     if missing or unknown:
         raise StateFolderError(
             f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
@@ -1503,6 +1600,8 @@ def _check_dict(name: str, value: Any) -> None:
 def _check_learner(key: str, manifest: dict[str, Any]) -> None:
     checks.check_one_of(f"{key} 'learner'", manifest["learner"], sorted(LEARNERS))
     checks.check_one_of(f"{key} 'buffer'", manifest["buffer"], sorted(BUFFERS))
+    if "buffer_storage" in manifest:  # absent: "memory"
+        checks.check_one_of(f"{key} 'buffer_storage'", manifest["buffer_storage"], ["mapped"])
     for name in ("learner_kwargs", "optimizer", "trainer", "metadata"):
         _check_dict(f"{key} {name!r}", manifest[name])
     known = _learner_arguments(LEARNERS[manifest["learner"]])
@@ -1614,10 +1713,13 @@ def _check_files(key: str, manifest: dict[str, Any]) -> None:
     _check_dict(f"{key} 'files'", files)
     expected = _FILES if manifest["format_version"] >= 2 else _FILES_V1
     optional = _OPTIONAL_FILES if manifest["format_version"] >= 2 else ()
-    if not set(expected) <= set(files) <= set(expected) | set(optional):
+    mapped = manifest.get("buffer_storage") == "mapped"
+    listed = {name for name in files if not (mapped and _BUFFER_FILE.fullmatch(str(name)))}
+    if not set(expected) <= listed <= set(expected) | set(optional):
         raise ValueError(
             f"{key} 'files' must list exactly {list(expected)} (and optionally "
-            f"{list(optional)}), got {sorted(files)}"
+            f"{list(optional)}{', and the buffer files buffer.g<n>.<i>.bin' if mapped else ''})"
+            f", got {sorted(files)}"
         )
     for name, checksum in files.items():
         if not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{64}", checksum)):
@@ -1766,7 +1868,9 @@ def _write_contents(
     """Write the checkpoint, the model alone, its card, the ``extra`` files (of
     ``_OPTIONAL_FILES``) and the manifest into ``staging``; return the manifest's token."""
     checkpoint = os.path.join(staging, _CHECKPOINT)
-    learner.save_checkpoint(checkpoint)
+    with _mapped_files(learner, "snapshots_to", staging):  # a mapped buffer's files go there
+        learner.save_checkpoint(checkpoint)
+    buffer_files = sorted(name for name in os.listdir(staging) if _BUFFER_FILE.fullmatch(name))
     model_file = os.path.join(staging, _MODEL)
     weights = {  # copies: tied or non-contiguous tensors are saved whole, each under its name
         name: tensor.detach().to("cpu", copy=True).contiguous()
@@ -1784,12 +1888,36 @@ def _write_contents(
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-    files = {name: sha256_of_file(os.path.join(staging, name)) for name in (*_FILES, *extra)}
+    files = {
+        name: sha256_of_file(os.path.join(staging, name))
+        for name in (*_FILES, *extra, *buffer_files)
+    }
     manifest = {**manifest, "files": files}
     _check_manifest(os.path.join(staging, _MANIFEST), manifest)
     raw = _write_json(os.path.join(staging, _MANIFEST), manifest)
     fsync_folder(staging)
     return hashlib.sha256(raw).hexdigest()
+
+
+@contextmanager
+def _mapped_files(learner: BaseExperienceReplayLearner, which: str, folder: str) -> Iterator[None]:
+    """A context in which the learner's mapped buffer (if it has one) writes (``which`` is
+    ``"snapshots_to"``) or reads (``"snapshots_from"``) its snapshot files in ``folder``; its
+    file errors (a full disk, a file of the wrong size) come out as :class:`trainer.
+    CheckpointError` (writing) or :class:`StateFolderError` (reading), not inside the trainer's
+    ``ListenerError``."""
+    buffer = getattr(learner, "buffer", None)
+    with getattr(buffer, which)(folder) if isinstance(buffer, _MAPPED_TYPES) else nullcontext():
+        try:
+            yield
+        except ListenerError as exc:
+            if not isinstance(exc.__cause__, MappedFileError):
+                raise
+            error = CheckpointError if which == "snapshots_to" else StateFolderError
+            raise error(f"{folder}: {exc.__cause__}") from exc
+
+
+_MAPPED_TYPES = tuple(_MAPPED_BUFFERS.values())
 
 
 def _model_card(manifest: Mapping[str, Any]) -> dict[str, Any]:

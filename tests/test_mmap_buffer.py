@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import os
@@ -12,9 +13,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from renate_events.learners import ExperienceReplayLearner
-from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer, SlidingWindowBuffer
+from renate_events.memory import (
+    GreedyClassBalancingBuffer,
+    InfiniteBuffer,
+    ReservoirBuffer,
+    SlidingWindowBuffer,
+)
 from renate_events.memory.mapped import (
     MappedGreedyClassBalancingBuffer,
+    MappedInfiniteBuffer,
     MappedReservoirBuffer,
     MappedSlidingWindowBuffer,
 )
@@ -193,3 +200,88 @@ def test_learner_checkpoints_a_mapped_buffer_without_its_data(tmp_path):
     second = learner()
     second.load_checkpoint(tmp_path / "state.safetensors")
     _same_sample(first.buffer.sample(8), second.buffer.sample(8))
+
+
+def test_mapped_infinite_buffer_grows_its_files_in_place_and_matches_memory(tmp_path, monkeypatch):
+    ours = MappedInfiniteBuffer(initial_capacity=8, folder=tmp_path, seed=1)
+    theirs = InfiniteBuffer(initial_capacity=8, seed=1)
+    for inputs, targets, metadata in _stream(5):
+        ours.update(inputs, targets, metadata)
+        theirs.update(inputs, targets, metadata)
+        assert ours.capacity == theirs.capacity
+        _same_sample(ours.sample(6), theirs.sample(6))
+    assert ours.capacity == 64 and (tmp_path / "buffer.work.0.bin").stat().st_size == 64 * 48
+    seen = ours.num_seen
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    inputs, targets, metadata = _stream(4, seed=3)[3]
+    for _ in range(3):  # the fourth batch would need room beyond 64 rows
+        ours.update(inputs, targets, metadata)
+    rows = [t.clone() for t in ours._storage()]
+    with pytest.raises(ValueError, match="the disk is full"):
+        ours.update(inputs, targets, metadata)
+    assert ours.num_seen == seen + 24 and ours.capacity == 64
+    assert all(torch.equal(a, b) for a, b in zip(rows, ours._storage()))
+    monkeypatch.undo()
+    restored = MappedInfiniteBuffer(folder=tmp_path, name="again")
+    restored.load_state_dict(ours.state_dict())
+    _same_sample(restored.sample(8), ours.sample(8))
+
+
+def test_unlinked_buffers_leave_no_files_and_hold_their_rollback_snapshots(tmp_path):
+    buffer = MappedReservoirBuffer(20, folder=tmp_path, unlinked=True, seed=2)
+    reference = ReservoirBuffer(20, seed=2)
+    for inputs, targets, metadata in _stream(4):
+        buffer.update(inputs, targets, metadata)
+        reference.update(inputs, targets, metadata)
+    saved, expected = buffer.state_dict(), reference.state_dict()  # held, not in the folder
+    assert list(tmp_path.iterdir()) == []
+    for inputs, targets, metadata in _stream(3, seed=5):
+        buffer.update(inputs, targets, metadata)
+    buffer.load_state_dict(saved)  # a rollback: back to the held snapshot
+    reference.load_state_dict(expected)
+    _same_sample(buffer.sample(10), reference.sample(10))
+    out = tmp_path / "state"
+    out.mkdir()
+    with buffer.snapshots_to(out):
+        state = buffer.state_dict()
+    assert sorted(p.name for p in out.iterdir()) == [f"buffer.g2.{i}.bin" for i in range(3)]
+    digests = {p.name: _digest(p) for p in out.iterdir()}
+    other = MappedReservoirBuffer(20, folder=tmp_path, unlinked=True)
+    with pytest.raises(ValueError, match="must hold"):
+        other.load_state_dict(state)  # outside snapshots_from: not its files
+    with other.snapshots_from(out):
+        other.load_state_dict(state)
+    for inputs, targets, metadata in _stream(3, seed=6):
+        other.update(inputs, targets, metadata)
+    assert {p.name: _digest(p) for p in out.iterdir()} == digests  # read through a private map
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
+def test_unlinked_work_files_without_o_tmpfile_are_named_then_unlinked(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    buffer = MappedReservoirBuffer(8, folder=tmp_path, unlinked=True)
+    inputs, targets, metadata = _stream(1)[0]
+    buffer.update(inputs, targets, metadata)
+    assert list(tmp_path.iterdir()) == [] and len(buffer) == 8
+    assert torch.equal(buffer._storage()[0], inputs)  # the first 8 samples fill slots 0..7
+
+
+def test_a_mapped_buffer_is_not_copied_with_its_open_files(tmp_path):
+    buffer = MappedReservoirBuffer(4, folder=tmp_path, unlinked=True)
+    buffer.update(torch.zeros(2, 3), torch.arange(2))
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(buffer)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.copy(buffer._files)
+    assert len(buffer) == 2
