@@ -967,7 +967,10 @@ def _mlp_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> tor
             f"{what}: the samples have {inputs.shape[1]} features; the state folder's model "
             f"takes {spec['inputs']}"
         )
-    return inputs.float()
+    inputs = inputs.float()
+    if not bool(torch.isfinite(inputs).all()):
+        raise UsageError(f"{what}: 'inputs' holds values too large for float32")
+    return inputs
 
 
 def _images(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:
@@ -1092,6 +1095,19 @@ _IMAGE_DATA = {
 _IMAGE_MODEL = ("resnet18", {"nf": 20})  # GEM's reduced ResNet-18: the default on images
 _INFERRED = ("inputs", "num_classes", "in_channels", "image_size")
 """Model arguments the command line takes from the scenario's data, never from --model-args."""
+_MAX_LAYERS = 64
+"""The most blocks (vit ``depth``) or hidden layers (mlp ``hidden``) a zoo model of the command
+line has: building one costs time per layer even on the meta device, so a state folder's
+description cannot make a reader build for minutes before its size is checked."""
+
+
+def _check_zoo_args(where: str, args: Mapping[str, Any]) -> None:
+    """Every argument an int (``hidden``: a list of ints) of a size the model can be built at."""
+    for key, value in args.items():
+        if key == "hidden" and isinstance(value, list) and len(value) <= _MAX_LAYERS:
+            continue
+        high = _MAX_LAYERS + 1 if key == "depth" else 2**31
+        checks.check_int(f"{where} {key}", value, 0, high)
 
 
 def _resolved_model(options: _RunOptions) -> _RunOptions:
@@ -1164,6 +1180,10 @@ def _zoo_spec_for_run(options: _RunOptions, tasks: Sequence[Any], classes: int) 
     }
     takes = inspect.signature(MODELS[name]).parameters
     args = {**(options.model_args or {}), **{k: v for k, v in data.items() if k in takes}}
+    try:
+        _check_zoo_args("--model-args", options.model_args or {})
+    except ValueError as exc:
+        raise UsageError(_one_line(exc)) from None
     spec = {
         "kind": "zoo",
         "name": name,
@@ -1235,6 +1255,7 @@ def _zoo_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
         checks.check_int(f"{key}.classes'", spec.get("classes"), 1)
         if spec["args"].get("num_classes") != spec["classes"]:
             raise ValueError(f"{key}.args.num_classes' must equal its key 'classes'")
+        _check_zoo_args(f"{key}.args'", spec["args"])
         model = _zoo_on_meta(spec["name"], spec["args"])
     except (ValueError, TypeError) as exc:
         raise StateFolderError(_one_line(exc)) from None

@@ -151,6 +151,8 @@ def test_bad_model_and_scenario_options(capsys, tmp_path, extra, words):
         (["--model", "resnet32", "--model-args", '{"nf": 4}'], ["does not take ['nf']"]),
         (["--model-args", "{num_classes = 3}"], ["['num_classes'] come from the scenario"]),
         (["--model-args", "{nf = 0}"], ["--model-args: resnet18: nf"]),
+        (["--model", "vit", "--model-args", "{depth = 1000}"], ["--model-args depth must be"]),
+        (["--model-args", '{nf = "wide"}'], ["--model-args nf must be an int"]),
         (["--model", "vit", "--hidden", "8"], ["--hidden sizes --model mlp"]),
     ],
 )
@@ -201,17 +203,23 @@ def test_a_later_update_keeps_the_architecture(resnet_run, tmp_path, capsys):
 
 
 @SLOW
-def test_a_tampered_model_description_is_refused(resnet_run, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"args": {"nf": 4096, "num_classes": 10, "in_channels": 3}}, "larger than the checkpoint"),
+        ({"name": "vit", "args": {"depth": 10**6, "num_classes": 10}}, "args' depth must be"),
+        ({"name": "resnet50"}, "metadata.model.name' must be one of"),
+        ({"transforms": "imagenet"}, "metadata.model.transforms' must be one of"),
+        ({"classes": 11}, "num_classes' must equal its key 'classes'"),
+    ],
+)
+def test_a_tampered_model_description_is_refused(resnet_run, tmp_path, capsys, change, words):
     import shutil
 
     state = tmp_path / "state"
     shutil.copytree(resnet_run / "state" / "seed-0", state)
     manifest = json.loads((state / "manifest.json").read_text())
-    manifest["metadata"]["model"]["args"]["nf"] = 4096  # terabytes, were it built
+    manifest["metadata"]["model"].update(change)  # nf 4096 would be terabytes, were it built
     (state / "manifest.json").write_text(json.dumps(manifest))
     data = _images_file(tmp_path / "d.safetensors", torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
-    _one_line_error(
-        capsys,
-        ["evaluate", "--state", str(state), "--data", str(data)],
-        "describes a model larger than the checkpoint",
-    )
+    _one_line_error(capsys, ["evaluate", "--state", str(state), "--data", str(data)], words)
