@@ -1256,6 +1256,10 @@ def _zoo_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
         if spec["args"].get("num_classes") != spec["classes"]:
             raise ValueError(f"{key}.args.num_classes' must equal its key 'classes'")
         _check_zoo_args(f"{key}.args'", spec["args"])
+        shown = {"inputs": math.prod(shape), "in_channels": shape[0], "image_size": shape[-1]}
+        for name, value in shown.items():
+            if spec["args"].get(name, value) != value:
+                raise ValueError(f"{key}.args.{name}' does not fit its key 'inputs' {shape}")
         model = _zoo_on_meta(spec["name"], spec["args"])
     except (ValueError, TypeError) as exc:
         raise StateFolderError(_one_line(exc)) from None

@@ -10,7 +10,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from renate_events.cli import _options, _parse, _resolved_model, _RunOptions, main
+from renate_events.cli import _IMAGE_DATA, _options, _parse, _resolved_model, _RunOptions, main
+from renate_events.scenarios import IMAGE_SCENARIOS
 from tests.test_cifar import write_cifar10, write_cifar100
 
 SLOW = pytest.mark.slow  # one ResNet-18 run (about 5 s on a shared CPU), shared by these tests
@@ -107,6 +108,10 @@ def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
     spec = json.loads((out / "state/seed-0/manifest.json").read_text())["metadata"]["model"]
     assert spec["args"] == {"inputs": 3072, "num_classes": 100, "hidden": [8]}
     assert spec["transforms"] == "cifar100" and spec["augment"] is False
+
+
+def test_every_image_scenario_has_its_files_described():
+    assert set(_IMAGE_DATA) == set(IMAGE_SCENARIOS)
 
 
 def test_the_default_models():
@@ -211,6 +216,7 @@ def test_a_later_update_keeps_the_architecture(resnet_run, tmp_path, capsys):
         ({"name": "resnet50"}, "metadata.model.name' must be one of"),
         ({"transforms": "imagenet"}, "metadata.model.transforms' must be one of"),
         ({"classes": 11}, "num_classes' must equal its key 'classes'"),
+        ({"inputs": [1, 32, 32]}, "args.in_channels' does not fit its key 'inputs'"),
     ],
 )
 def test_a_tampered_model_description_is_refused(resnet_run, tmp_path, capsys, change, words):
