@@ -389,6 +389,11 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
         help="with --config-file: the chunks to evaluate on (default: those the state was "
         "trained on, 0..updates-1)",
     )
+    evaluate.add_argument(
+        "--data-dir",
+        default=None,
+        help="with --scenario seq-cifar10/100: the folder of the CIFAR binary version",
+    )
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the split / of data_fn")
     evaluate.add_argument(
         "--accept-config-change",
@@ -688,7 +693,10 @@ class _EvaluateOptions:
 
     state: str = attrs.field(validator=_text)
     data: str | None = attrs.field(validator=_optional(_text))
-    scenario: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(SCENARIOS))))
+    scenario: str | None = attrs.field(
+        validator=_optional(checks.one_of(*sorted({**SCENARIOS, **IMAGE_SCENARIOS})))
+    )
+    data_dir: str | None = attrs.field(validator=_optional(_text))
     config_file: str | None = attrs.field(validator=_optional(_text))
     chunk_ids: list[int] | None = attrs.field(
         validator=_optional(_list_of_ints(0, None, empty=False, distinct=True))
@@ -1110,19 +1118,28 @@ def _check_zoo_args(where: str, args: Mapping[str, Any]) -> None:
         checks.check_int(f"{where} {key}", value, 0, high)
 
 
+def _check_data_dir(scenario: str | None, data_dir: str | None) -> None:
+    """``--data-dir`` goes with an image scenario, and only with one."""
+    if scenario in IMAGE_SCENARIOS and data_dir is None:
+        raise UsageError(
+            f"--scenario {scenario} reads {_IMAGE_DATA[scenario][1]}: give --data-dir DIR; "
+            "nothing is downloaded"
+        )
+    if scenario not in IMAGE_SCENARIOS and data_dir is not None:
+        where = f"{scenario} uses the bundled digits" if scenario else "is not given"
+        raise UsageError(
+            f"--data-dir is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario {where}"
+        )
+
+
 def _resolved_model(options: _RunOptions) -> _RunOptions:
     """The run's options with the model, its arguments and ``--hidden`` made explicit, after
     the checks of which scenario, data folder and model go together."""
     image = options.scenario in IMAGE_SCENARIOS
-    if image and options.data_dir is None:
+    _check_data_dir(options.scenario, options.data_dir)
+    if not image and options.no_augment:
         raise UsageError(
-            f"--scenario {options.scenario} reads {_IMAGE_DATA[options.scenario][1]}: give "
-            "--data-dir DIR; nothing is downloaded"
-        )
-    if not image and (options.data_dir is not None or options.no_augment):
-        flag = "--data-dir" if options.data_dir is not None else "--no-augment"
-        raise UsageError(
-            f"{flag} is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario "
+            f"--no-augment is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario "
             f"{options.scenario} uses the bundled digits"
         )
     model = options.model or (_IMAGE_MODEL[0] if image else "mlp")
@@ -2335,6 +2352,8 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         return _evaluate_from_config(options)
     if options.chunk_ids is not None:
         raise UsageError("--chunk-ids needs --config-file")
+    if options.scenario is not None or options.data_dir is not None:
+        _check_data_dir(options.scenario, options.data_dir)
     if options.data is not None:
         data = _load_data_file(options.data)
     updater, spec = _updater_from_folder(options.state)
@@ -2344,10 +2363,7 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         classes = tuple(sorted(set(data.tensors[1].tolist())))
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
     else:
-        try:
-            tasks = list(SCENARIOS[options.scenario](seed=options.seed).tasks())
-        except ImportError as exc:
-            raise UsageError(f"--scenario {options.scenario}: {exc}") from None
+        tasks = _scenario_tasks(options.scenario, options.data_dir, options.seed)
         _fitted(f"--scenario {options.scenario}", tasks[0].test, spec)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):

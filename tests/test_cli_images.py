@@ -82,7 +82,7 @@ def _images_file(path: pathlib.Path, inputs: torch.Tensor) -> pathlib.Path:
 
 
 @SLOW
-def test_update_and_evaluate_keep_the_zoo_model(resnet_run, tmp_path, capsys):
+def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, capsys):
     state = resnet_run / "state" / "seed-0"
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
     data = _images_file(tmp_path / "new.safetensors", images)
@@ -95,6 +95,13 @@ def test_update_and_evaluate_keep_the_zoo_model(resnet_run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]) == 0
     assert "task 0: accuracy" in capsys.readouterr().out
+
+    argv = ["evaluate", "--state", str(tmp_path / "next"), "--scenario", "seq-cifar10"]
+    assert main([*argv, "--data-dir", str(cifar10)]) == 0
+    printed = capsys.readouterr().out
+    assert "task 4: accuracy" in printed and "(2 samples)" in printed
+    _one_line_error(capsys, argv, "give --data-dir DIR")
+    _one_line_error(capsys, [*argv[:4], "split-digits"], "the samples have the shape (64,)")
 
 
 def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
