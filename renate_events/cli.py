@@ -2348,12 +2348,12 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     from renate_events.scenarios import Task
 
     options = _options(_EvaluateOptions, values)
+    if options.scenario is not None or options.data_dir is not None:
+        _check_data_dir(options.scenario, options.data_dir)
     if options.config_file is not None:
         return _evaluate_from_config(options)
     if options.chunk_ids is not None:
         raise UsageError("--chunk-ids needs --config-file")
-    if options.scenario is not None or options.data_dir is not None:
-        _check_data_dir(options.scenario, options.data_dir)
     if options.data is not None:
         data = _load_data_file(options.data)
     updater, spec = _updater_from_folder(options.state)

@@ -102,6 +102,8 @@ def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, c
     assert "task 4: accuracy" in printed and "(2 samples)" in printed
     _one_line_error(capsys, argv, "give --data-dir DIR")
     _one_line_error(capsys, [*argv[:4], "split-digits"], "the samples have the shape (64,)")
+    argv = ["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]
+    _one_line_error(capsys, [*argv, "--data-dir", str(cifar10)], "--scenario is not given")
 
 
 def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
