@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import io
 import itertools
 import json
@@ -41,7 +42,8 @@ from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.learners import ICaRLLearner
-from renate_events.scenarios import SCENARIOS
+from renate_events.models import MODELS, build_model
+from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
@@ -174,6 +176,30 @@ def _config_file_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _model_options(p: argparse.ArgumentParser, *, later: bool) -> None:
+    """``--model`` and ``--model-args``. ``later``: for ``update``, where they only check that
+    the input state holds that model (its architecture never changes)."""
+    if later:
+        what = " (a check: the input state's model must be this one)"
+        p.add_argument("--model", choices=sorted(MODELS), default=None, help="model" + what)
+        p.add_argument("--model-args", default=None, metavar="TABLE", help="its arguments" + what)
+        return
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="model of renate_events.models (default: mlp for the digits scenarios, resnet18 with "
+        "nf 20 for the image ones)",
+    )
+    p.add_argument(
+        "--model-args",
+        default=None,
+        metavar="TABLE",
+        help="the model's arguments as a TOML or JSON table: '{nf = 20}', '{\"dim\": 64}' "
+        "(num_classes, inputs, in_channels and image_size come from the scenario)",
+    )
+
+
 def _hyperparameter_names() -> dict[str, str]:
     """Every learner hyperparameter without an option of its own, with its kind."""
     names: dict[str, str] = {}
@@ -240,7 +266,18 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument(
         "--scenario",
         default="split-digits",
-        help="split-digits (default), permuted-digits or rotated-digits",
+        help="split-digits (default), permuted-digits, rotated-digits; seq-cifar10, seq-cifar100 "
+        "(read from --data-dir)",
+    )
+    run.add_argument(
+        "--data-dir",
+        default=None,
+        help="with seq-cifar10/100: the folder of the CIFAR binary version (never downloaded)",
+    )
+    run.add_argument(
+        "--no-augment",
+        action="store_true",
+        help="image scenarios: no random crop and flip in training (still to float, normalised)",
     )
     run.add_argument(
         "--chunks",
@@ -253,9 +290,10 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
         "--hidden",
         type=int,
         nargs="+",
-        default=[256],
-        help="hidden layer sizes of the MLP (default 256)",
+        default=None,
+        help="hidden layer sizes of --model mlp (default 256)",
     )
+    _model_options(run, later=False)
     run.add_argument("--output-dir", default="runs/latest", help="where results are written")
     _training_options(run, later=False)
     _config_file_options(run)
@@ -309,6 +347,7 @@ def _update_parser(sub: Any) -> argparse.ArgumentParser:
         help="continue a state folder written with another version of the config file",
     )
     update.add_argument("--task-id", default=None, help="a name for this update")
+    _model_options(update, later=True)
     update.add_argument(
         "--search",
         type=int,
@@ -372,6 +411,11 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="with --config-file: the chunks to evaluate on (default: those the state was "
         "trained on, 0..updates-1)",
+    )
+    evaluate.add_argument(
+        "--data-dir",
+        default=None,
+        help="with --scenario seq-cifar10/100: the folder of the CIFAR binary version",
     )
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the split / of data_fn")
     evaluate.add_argument(
@@ -466,8 +510,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[str, dict[str, Any], frozenset[s
         known = set(args) | set(_hyperparameter_names())
         values = _read_config(args["config"], known, command)
         if command == "update":  # tables are the ranges of a search, not values
-            args["search_space"] = {k: v for k, v in values.items() if isinstance(v, dict)}
-            values = {k: v for k, v in values.items() if not isinstance(v, dict)}
+            ranges = {k for k, v in values.items() if isinstance(v, dict) and k != "model_args"}
+            args["search_space"] = {k: values[k] for k in ranges}
+            values = {k: v for k, v in values.items() if k not in ranges}
         from_file = set(values) - given
         args.update({name: values[name] for name in from_file})
     return command, args, frozenset(from_file)
@@ -575,17 +620,47 @@ _optional = attrs.validators.optional
 _FINITE_POSITIVE = checks.real_in_range(0.0, low_open=True)
 
 
+def _table_value(value: Any) -> Any:
+    """``--model-args`` text as a TOML inline table (``{nf = 20}``) or a JSON object; a table
+    from a TOML file stays as it is; anything else is left for the check to refuse."""
+    value = _parse_value(value)
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _model_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (isinstance(value, dict) and all(map(_is_name, value))):
+        raise checks.WrongTypeError(
+            f"{checks.field_name(instance, attribute)} must be a table of the model's arguments "
+            f"such as '{{nf = 20}}' (TOML) or '{{\"nf\": 20}}' (JSON), got {value!r}"
+        )
+
+
+def _is_name(key: Any) -> bool:
+    return isinstance(key, str) and key.isidentifier()
+
+
 @attrs.frozen
 class _RunOptions:
     """The options of ``renate-events run``, as argparse names them."""
 
     config: str | None = attrs.field(validator=_optional(_text))
-    scenario: str = attrs.field(validator=checks.one_of(*sorted(SCENARIOS)))
+    scenario: str = attrs.field(validator=checks.one_of(*sorted({**SCENARIOS, **IMAGE_SCENARIOS})))
     chunks: int | None = attrs.field(validator=checks.int_at_least(1, 10**6, optional=True))
     seeds: list[int] = attrs.field(
         validator=_list_of_ints(0, _MAX_SEED, empty=False, distinct=True)
     )
-    hidden: list[int] = attrs.field(validator=_list_of_ints(1, None, empty=True, distinct=False))
+    hidden: list[int] | None = attrs.field(
+        validator=_optional(_list_of_ints(1, None, empty=True, distinct=False))
+    )
+    model: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(MODELS))))
+    model_args: dict[str, Any] | None = attrs.field(converter=_table_value, validator=_model_args)
+    data_dir: str | None = attrs.field(validator=_optional(_text))
+    no_augment: bool = attrs.field(validator=checks.boolean)
     output_dir: str = attrs.field(validator=_text)
     learner: str = attrs.field(validator=checks.one_of(*sorted(LEARNERS)))
     buffer: str | None = attrs.field(validator=_optional(checks.one_of(*BUFFERS)))
@@ -620,6 +695,8 @@ class _UpdateOptions:
     in_place: bool = attrs.field(validator=checks.boolean)
     accept_config_change: bool = attrs.field(validator=checks.boolean)
     task_id: str | None = attrs.field(validator=_optional(_text))
+    model: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(MODELS))))
+    model_args: dict[str, Any] | None = attrs.field(converter=_table_value, validator=_model_args)
     search: int | None = attrs.field(validator=checks.int_at_least(1, 10**5, optional=True))
     search_storage: str | None = attrs.field(validator=_optional(_text))
     search_study: str | None = attrs.field(validator=_optional(_text))
@@ -653,7 +730,10 @@ class _EvaluateOptions:
 
     state: str = attrs.field(validator=_text)
     data: str | None = attrs.field(validator=_optional(_text))
-    scenario: str | None = attrs.field(validator=_optional(checks.one_of(*sorted(SCENARIOS))))
+    scenario: str | None = attrs.field(
+        validator=_optional(checks.one_of(*sorted({**SCENARIOS, **IMAGE_SCENARIOS})))
+    )
+    data_dir: str | None = attrs.field(validator=_optional(_text))
     config_file: str | None = attrs.field(validator=_optional(_text))
     chunk_ids: list[int] | None = attrs.field(
         validator=_optional(_list_of_ints(0, None, empty=False, distinct=True))
@@ -812,7 +892,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _load_data_file(path: str) -> torch.utils.data.TensorDataset:
-    """``inputs`` (N, features) and integer ``targets`` (N,) from a .safetensors or .npz file."""
+    """``inputs`` (N, ...) and integer ``targets`` (N,) from a .safetensors or .npz file; the
+    inputs keep their dtype until :func:`_fitted` converts them for the state's model."""
     tensors = _read_tensors("--data", path)
     missing = {"inputs", "targets"} - set(tensors)
     if missing:
@@ -867,15 +948,14 @@ def _read_npz(flag: str, path: str) -> dict[str, torch.Tensor]:
 
 
 def _inputs(path: str, inputs: torch.Tensor) -> torch.Tensor:
-    if inputs.dim() != 2 or len(inputs) == 0:
+    if inputs.dim() < 2 or len(inputs) == 0:
         raise UsageError(
-            f"--data {path}: 'inputs' must have the shape (samples, features) with at least one "
-            f"sample, got {tuple(inputs.shape)}; flatten images first"
+            f"--data {path}: 'inputs' must have the shape (samples, features) or (samples, "
+            f"channels, height, width) with at least one sample, got {tuple(inputs.shape)}"
         )
     if inputs.dtype.is_complex or not (inputs.dtype.is_floating_point or _is_integer(inputs)):
         raise UsageError(f"--data {path}: 'inputs' holds {inputs.dtype} values, not real numbers")
-    inputs = inputs.float()
-    if not bool(torch.isfinite(inputs).all()):
+    if inputs.dtype.is_floating_point and not bool(torch.isfinite(inputs).all()):
         raise UsageError(f"--data {path}: 'inputs' holds NaN or infinite values")
     return inputs
 
@@ -899,25 +979,61 @@ def _targets(path: str, targets: torch.Tensor) -> torch.Tensor:
     return targets.long()
 
 
-def _check_fits(what: str, data: torch.utils.data.TensorDataset, spec: Mapping[str, Any]) -> None:
-    """The data (``what``: where it comes from) fits the model: its features, its labels."""
+def _fitted(
+    what: str, data: torch.utils.data.TensorDataset, spec: Mapping[str, Any]
+) -> torch.utils.data.TensorDataset:
+    """The data (``what``: where it comes from) as the model takes it: float feature vectors for
+    the command line's MLP, raw ``uint8`` images for a zoo model on images; labels checked."""
     inputs, targets = data.tensors
     if len(inputs) != len(targets):
         raise UsageError(
             f"{what}: 'inputs' and 'targets' must have the same length, got {len(inputs)} "
             f"and {len(targets)}"
         )
-    if inputs.shape[1] != spec["inputs"]:
-        raise UsageError(
-            f"{what}: the samples have {inputs.shape[1]} features; the state folder's model "
-            f"takes {spec['inputs']}"
-        )
+    inputs = (
+        _mlp_inputs(what, inputs, spec) if spec["kind"] == "mlp" else _images(what, inputs, spec)
+    )
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= spec["classes"]:
         raise UsageError(
             f"{what}: the labels range over [{low}, {high}]; the state folder's model has "
             f"{spec['classes']} classes (labels 0..{spec['classes'] - 1})"
         )
+    return torch.utils.data.TensorDataset(inputs, targets)
+
+
+def _mlp_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:
+    if inputs.dim() != 2:
+        raise UsageError(
+            f"{what}: 'inputs' must have the shape (samples, features), got "
+            f"{tuple(inputs.shape)}; the state folder's model is an MLP: flatten images first"
+        )
+    if inputs.shape[1] != spec["inputs"]:
+        raise UsageError(
+            f"{what}: the samples have {inputs.shape[1]} features; the state folder's model "
+            f"takes {spec['inputs']}"
+        )
+    inputs = inputs.float()
+    if not bool(torch.isfinite(inputs).all()):
+        raise UsageError(f"{what}: 'inputs' holds values too large for float32")
+    return inputs
+
+
+def _images(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:
+    """Raw images of the spec's shape, as ``uint8`` (the state's transforms make the floats)."""
+    shape = tuple(spec["inputs"])
+    if tuple(inputs.shape[1:]) != shape:
+        raise UsageError(
+            f"{what}: the samples have the shape {tuple(inputs.shape[1:])}; the state folder's "
+            f"model takes {shape}"
+        )
+    if inputs.dtype.is_floating_point or int(inputs.min()) < 0 or int(inputs.max()) > 255:
+        raise UsageError(
+            f"{what}: 'inputs' must be raw images, integers 0..255 (uint8), got {inputs.dtype} "
+            f"values in [{float(inputs.min()):g}, {float(inputs.max()):g}]; the state folder's "
+            f"{spec['transforms']} transforms convert them to floats per batch"
+        )
+    return inputs.to(torch.uint8)
 
 
 # -- state folders written by the command line --------------------------------------------------
@@ -931,6 +1047,8 @@ def _model_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
     """
     path = os.path.join(folder, "manifest.json")
     spec = manifest["metadata"].get("model")
+    if isinstance(spec, dict) and spec.get("kind") == "zoo":
+        return _zoo_spec(folder, manifest)
     if not isinstance(spec, dict) or spec.get("kind") != "mlp":
         raise UsageError(
             f"{folder} was not written by renate-events run/update (its manifest has no model "
@@ -976,9 +1094,14 @@ def _updater_from_folder(
     spec = _model_spec(folder, manifest)
     overrides = overrides or {}
     learner, buffer, learner_kwargs = _learner_settings(overrides, hyper or {}, manifest)
+    if spec["kind"] == "mlp":
+        model = _mlp(spec["inputs"], spec["hidden"], spec["classes"])
+    else:
+        model = build_model(spec["name"], **spec["args"])
     try:
         updater = ModelUpdater(
-            _mlp(spec["inputs"], spec["hidden"], spec["classes"]),
+            model,
+            transforms=_spec_transforms(spec),
             learner=learner,
             learner_kwargs=learner_kwargs,
             buffer=buffer,
@@ -996,6 +1119,228 @@ def _updater_from_folder(
     except ValueError as exc:  # the learner's or the trainer's checks of the folder's values
         raise StateFolderError(f"{folder}: its manifest is refused: {exc}") from None
     return updater, spec
+
+
+# -- zoo models and image scenarios ---------------------------------------------------------------
+
+_IMAGE_DATA = {
+    "seq-cifar10": (
+        "cifar10",
+        "the CIFAR-10 binary version, DIR/cifar-10-batches-bin/data_batch_1.bin ... "
+        "data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz from "
+        "https://www.cs.toronto.edu/~kriz/cifar.html, extracted with tar xzf "
+        "cifar-10-binary.tar.gz -C DIR)",
+    ),
+    "seq-cifar100": (
+        "cifar100",
+        "the CIFAR-100 binary version, DIR/cifar-100-binary/train.bin and test.bin "
+        "(cifar-100-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted "
+        "with tar xzf cifar-100-binary.tar.gz -C DIR)",
+    ),
+}
+"""The image scenarios: the transform preset (its normalisation) and the files they read."""
+_IMAGE_MODEL = ("resnet18", {"nf": 20})  # GEM's reduced ResNet-18: the default on images
+_INFERRED = ("inputs", "num_classes", "in_channels", "image_size")
+"""Model arguments the command line takes from the scenario's data, never from --model-args."""
+_MAX_LAYERS = 64
+"""The most blocks (vit ``depth``) or hidden layers (mlp ``hidden``) a zoo model of the command
+line has: building one costs time per layer even on the meta device, so a state folder's
+description cannot make a reader build for minutes before its size is checked."""
+
+
+def _check_zoo_args(where: str, args: Mapping[str, Any]) -> None:
+    """Every argument an int (``hidden``: a list of ints) of a size the model can be built at."""
+    for key, value in args.items():
+        if key == "hidden" and isinstance(value, list) and len(value) <= _MAX_LAYERS:
+            continue
+        high = _MAX_LAYERS + 1 if key == "depth" else 2**31
+        checks.check_int(f"{where} {key}", value, 0, high)
+
+
+def _check_data_dir(scenario: str | None, data_dir: str | None) -> None:
+    """``--data-dir`` goes with an image scenario, and only with one."""
+    if scenario in IMAGE_SCENARIOS and data_dir is None:
+        raise UsageError(
+            f"--scenario {scenario} reads {_IMAGE_DATA[scenario][1]}: give --data-dir DIR; "
+            "nothing is downloaded"
+        )
+    if scenario not in IMAGE_SCENARIOS and data_dir is not None:
+        where = f"{scenario} uses the bundled digits" if scenario else "is not given"
+        raise UsageError(
+            f"--data-dir is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario {where}"
+        )
+
+
+def _resolved_model(options: _RunOptions) -> _RunOptions:
+    """The run's options with the model, its arguments and ``--hidden`` made explicit, after
+    the checks of which scenario, data folder and model go together."""
+    image = options.scenario in IMAGE_SCENARIOS
+    _check_data_dir(options.scenario, options.data_dir)
+    if not image and options.no_augment:
+        raise UsageError(
+            f"--no-augment is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario "
+            f"{options.scenario} uses the bundled digits"
+        )
+    model = options.model or (_IMAGE_MODEL[0] if image else "mlp")
+    args = options.model_args
+    if args is None:
+        args = dict(_IMAGE_MODEL[1]) if image and options.model is None else {}
+    if not image and model != "mlp":
+        raise UsageError(
+            f"--model {model} takes images; --scenario {options.scenario} gives flat vectors of "
+            "features: use --model mlp (with --hidden), or an image scenario "
+            f"{sorted(IMAGE_SCENARIOS)}"
+        )
+    if model == "mlp" and args:
+        raise UsageError(
+            f"--model-args {args}: the MLP's only arguments are its hidden layer sizes; give "
+            "them with --hidden"
+        )
+    if model != "mlp" and options.hidden is not None:
+        raise UsageError(f"--hidden sizes --model mlp; --model {model} takes --model-args")
+    inferred = sorted(set(args) & set(_INFERRED))
+    if inferred:
+        raise UsageError(
+            f"--model-args: {inferred} come from the scenario's data (number of classes, image "
+            "shape); leave them out"
+        )
+    hidden = options.hidden if options.hidden is not None or model != "mlp" else [256]
+    return attrs.evolve(options, model=model, model_args=args, hidden=hidden)
+
+
+def _scenario_tasks(scenario: str, data_dir: str | None, seed: int) -> list[Any]:
+    """The tasks of a named scenario; an image scenario's files missing or corrupt is one line
+    (the reader's message names the file that was expected and where to get it)."""
+    if scenario in SCENARIOS:
+        try:
+            return list(SCENARIOS[scenario](seed=seed).tasks())
+        except ImportError as exc:
+            raise UsageError(f"--scenario {scenario}: {exc}") from None
+    try:
+        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed).tasks())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--scenario {scenario} --data-dir {data_dir}: {_one_line(exc)}") from None
+
+
+def _zoo_spec_for_run(options: _RunOptions, tasks: Sequence[Any], classes: int) -> dict[str, Any]:
+    """What the manifest records of a zoo model on an image scenario: its name, every argument
+    (the given ones and those of the data), the image shape and the transforms."""
+    name = options.model or _IMAGE_MODEL[0]
+    shape = list(tasks[0].train.tensors[0].shape[1:])
+    data = {
+        "inputs": math.prod(shape),
+        "num_classes": classes,
+        "in_channels": shape[0],
+        "image_size": shape[-1],
+        "hidden": options.hidden,
+    }
+    takes = inspect.signature(MODELS[name]).parameters
+    args = {**(options.model_args or {}), **{k: v for k, v in data.items() if k in takes}}
+    try:
+        _check_zoo_args("--model-args", options.model_args or {})
+    except ValueError as exc:
+        raise UsageError(_one_line(exc)) from None
+    spec = {
+        "kind": "zoo",
+        "name": name,
+        "args": args,
+        "inputs": shape,
+        "classes": classes,
+        "transforms": _IMAGE_DATA[options.scenario][0],
+        "augment": not options.no_augment,
+    }
+    try:
+        size = _state_bytes(_zoo_on_meta(name, args))
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--model-args: {_one_line(exc)}") from None
+    if size > 4 * _MAX_PARAMETERS:
+        raise UsageError(
+            f"--model {name} with {options.model_args} has {size} bytes of parameters; the "
+            f"command line builds models of at most {4 * _MAX_PARAMETERS}"
+        )
+    return spec
+
+
+def _zoo_on_meta(name: str, args: Mapping[str, Any]) -> torch.nn.Module:
+    """The model built on the meta device: its shapes, with no memory allocated."""
+    with torch.device("meta"):
+        return build_model(name, **args)
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _spec_transforms(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch transforms of a zoo model on images: raw ``uint8`` in the buffer, floats made
+    per batch (random crop and flip in training and replay unless ``augment`` is false)."""
+    if spec["kind"] != "zoo":
+        return {}
+    from renate_events.transforms import cifar_test_transform, cifar_train_transform
+
+    test = cifar_test_transform(spec["transforms"])
+    train = cifar_train_transform(spec["transforms"]) if spec["augment"] else test
+    return {"train_transform": train, "buffer_transform": train, "test_transform": test}
+
+
+def _evaluated(model: torch.nn.Module, transforms: Mapping[str, Any]) -> torch.nn.Module:
+    """The model as evaluation sees it: through the test transform, if any."""
+    test = transforms.get("test_transform")
+    return model if test is None else _Transformed(model, test)
+
+
+def _zoo_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The zoo model that ``metadata.model`` describes, every key checked; built on the meta
+    device first (nothing allocated) so that one larger than the checkpoint is refused. The
+    updater then compares its parameters with the manifest's ``model``."""
+    path = os.path.join(folder, "manifest.json")
+    spec = manifest["metadata"]["model"]
+    key = f"{path}: key 'metadata.model"
+    try:
+        checks.check_one_of(f"{key}.name'", spec.get("name"), tuple(MODELS))
+        checks.check_one_of(f"{key}.transforms'", spec.get("transforms"), ("cifar10", "cifar100"))
+        if not isinstance(spec.get("augment"), bool):
+            raise checks.WrongTypeError(f"{key}.augment' must be true or false")
+        if not isinstance(spec.get("args"), dict):
+            raise checks.WrongTypeError(f"{key}.args' must be an object")
+        shape = spec.get("inputs")
+        if not isinstance(shape, list) or len(shape) != 3:
+            raise checks.WrongTypeError(f"{key}.inputs' must be [channels, height, width]")
+        for size in shape:
+            checks.check_int(f"{key}.inputs'", size, 1, 2**15)
+        checks.check_int(f"{key}.classes'", spec.get("classes"), 1)
+        if spec["args"].get("num_classes") != spec["classes"]:
+            raise ValueError(f"{key}.args.num_classes' must equal its key 'classes'")
+        _check_zoo_args(f"{key}.args'", spec["args"])
+        shown = {"inputs": math.prod(shape), "in_channels": shape[0], "image_size": shape[-1]}
+        for name, value in shown.items():
+            if spec["args"].get(name, value) != value:
+                raise ValueError(f"{key}.args.{name}' does not fit its key 'inputs' {shape}")
+        model = _zoo_on_meta(spec["name"], spec["args"])
+    except (ValueError, TypeError) as exc:
+        raise StateFolderError(_one_line(exc)) from None
+    if _state_bytes(model) > os.path.getsize(os.path.join(folder, "learner.safetensors")):
+        raise StateFolderError(f"{key}' describes a model larger than the checkpoint beside it")
+    return spec
+
+
+def _check_same_model(options: _UpdateOptions, spec: Mapping[str, Any], folder: str) -> None:
+    """``update --model/--model-args`` must name the input state's model: an architecture never
+    changes between the updates of one state folder."""
+    name = "mlp" if spec["kind"] == "mlp" else spec["name"]
+    recorded = {} if spec["kind"] == "mlp" else spec["args"]
+    if options.model is not None and options.model != name:
+        raise UsageError(
+            f"--model {options.model}: the state folder {folder} holds a {name} model, and later "
+            f"updates keep its architecture; leave --model out, or start a new state folder "
+            f"with renate-events run --model {options.model}"
+        )
+    for key, value in (options.model_args or {}).items():
+        if recorded.get(key, None) != value:
+            raise UsageError(
+                f"--model-args {key} = {value!r}: the state folder {folder} holds a {name} model "
+                f"with {key} = {recorded.get(key)!r}, and later updates keep its architecture"
+            )
 
 
 # -- config files: the settings of an update ------------------------------------------------------
@@ -1256,7 +1601,9 @@ def _run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     options = _options(_RunOptions, values, from_file)
     hyper = _hyperparameter_values(values, options.learner, from_file, options.config)
     config = _run_config_file(options)
-    if config is None and options.learner in _DISTILLING and not options.hidden:
+    if config is None:
+        options = _resolved_model(options)
+    if config is None and options.learner in _DISTILLING and options.hidden == []:
         raise UsageError(f"--learner {options.learner} distils hidden layers: give --hidden sizes")
     # Under `torchrun --nproc_per_node=N`: data-parallel training over N processes; rank zero
     # prints and writes the results. State folders are not written (their staging folders are
@@ -1292,6 +1639,17 @@ def _run_config_file(options: _RunOptions) -> ConfigFile | None:
             if value is not None:
                 raise UsageError(f"{flag} needs --config-file")
         return None
+    for flag, value in (
+        ("--model", options.model),
+        ("--model-args", options.model_args),
+        ("--hidden", options.hidden),
+        ("--data-dir", options.data_dir),
+    ):
+        if value is not None:
+            raise UsageError(
+                f"{flag}: with --config-file, its model_fn builds the model (it may call "
+                "renate_events.models.build_model) and data_fn gives the data; leave it out"
+            )
     if options.chunks is None:
         raise UsageError(
             "--config-file needs --chunks N: the number of updates, on data_fn's chunks 0..N-1"
@@ -1321,23 +1679,35 @@ def _prepare_config_seed(
     )
 
 
-def _prepare_seed(
-    options: _RunOptions, seed: int, distributed: bool, hyper: Mapping[str, Any]
-) -> _Seed:
-    try:
-        tasks = list(SCENARIOS[options.scenario](seed=seed).tasks())
-    except ImportError as exc:
-        raise UsageError(f"--scenario {options.scenario}: {exc}") from None
-    inputs = tasks[0].train.tensors[0].shape[1]
+def _run_model(
+    options: _RunOptions, tasks: Sequence[Any], seed: int
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The seed's fresh model and what the manifest records of it: the command line's MLP on
+    the digits scenarios (as before zoo models existed), a zoo model on the image ones."""
     classes = 1 + max(max(task.classes) for task in tasks)
-    count = _parameter_count(inputs, options.hidden, classes)
+    if options.scenario in IMAGE_SCENARIOS:
+        spec = _zoo_spec_for_run(options, tasks, classes)
+        torch.manual_seed(seed)
+        return build_model(spec["name"], **spec["args"]), spec
+    hidden = options.hidden or []
+    inputs = tasks[0].train.tensors[0].shape[1]
+    count = _parameter_count(inputs, hidden, classes)
     if count > _MAX_PARAMETERS:
         raise UsageError(
-            f"--hidden {options.hidden} makes an MLP of {count} parameters; the command line "
+            f"--hidden {hidden} makes an MLP of {count} parameters; the command line "
             f"builds MLPs of at most {_MAX_PARAMETERS}"
         )
     torch.manual_seed(seed)
-    model = _mlp(inputs, options.hidden, classes)
+    spec = {"kind": "mlp", "inputs": inputs, "hidden": hidden, "classes": classes}
+    return _mlp(inputs, hidden, classes), spec
+
+
+def _prepare_seed(
+    options: _RunOptions, seed: int, distributed: bool, hyper: Mapping[str, Any]
+) -> _Seed:
+    tasks = _scenario_tasks(options.scenario, options.data_dir, seed)
+    model, spec = _run_model(options, tasks, seed)
+    transforms = _spec_transforms(spec)
     learner_kwargs: dict[str, Any] = {
         "memory_size": 200 if options.memory_size is None else options.memory_size,
         "memory_batch_size": options.memory_batch_size,
@@ -1346,11 +1716,13 @@ def _prepare_seed(
     }
     if options.learner in _NO_MEMORY and options.memory_size is None:
         learner_kwargs.pop("memory_size")
-    if options.learner in _DISTILLING:  # distil the outputs of the hidden layers
-        learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(options.hidden))]
-    if options.learner == "icarl" and options.hidden:  # iCaRL's feature: the last hidden layer
-        learner_kwargs["feature_modules"] = [str(2 * len(options.hidden) - 1)]
+    if options.learner in _DISTILLING and spec["kind"] == "mlp":  # the hidden layers' outputs
+        learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(spec["hidden"]))]
+    if options.learner == "icarl" and spec["kind"] == "mlp" and spec["hidden"]:
+        # iCaRL's feature: the last hidden layer (a zoo model's: its backbone)
+        learner_kwargs["feature_modules"] = [str(2 * len(spec["hidden"]) - 1)]
     learner_kwargs.update(hyper)
+    _feature_modules(options.learner, learner_kwargs, model)  # a zoo model's feature modules
     try:
         updater = ModelUpdater(
             model,
@@ -1364,20 +1736,13 @@ def _prepare_seed(
                 "precision": options.precision,
                 **({"distributed": "init"} if distributed else {}),
             },
-            metadata={
-                "model": {
-                    "kind": "mlp",
-                    "inputs": inputs,
-                    "hidden": options.hidden,
-                    "classes": classes,
-                },
-                "scenario": options.scenario,
-            },
+            metadata={"model": spec, "scenario": options.scenario},
+            transforms=transforms,
         )
         updater.learner_instance  # noqa: B018 - the learner's own checks, before training
     except ValueError as exc:  # the learner's checks of a combination of options
         raise UsageError(_learner_message(exc)) from None
-    return _Seed(seed, tasks, updater, torch.get_rng_state(), model)
+    return _Seed(seed, tasks, updater, torch.get_rng_state(), _evaluated(model, transforms))
 
 
 def _train_seed(options: _RunOptions, plan: _Seed) -> dict[str, Any]:
@@ -1689,7 +2054,8 @@ def _update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     updater, spec = _updater_from_folder(
         options.input_state, options.lock_timeout, _overrides(options), hyper
     )
-    _check_fits(f"--data {options.data}", data, spec)
+    _check_same_model(options, spec, options.input_state)
+    data = _fitted(f"--data {options.data}", data, spec)
     updater.output_state_folder = options.output_state
     updater.in_place = options.in_place
     _progress(updater.learner_instance, "update", not options.no_progress)
@@ -1713,6 +2079,11 @@ def _update_from_config(
         raise UsageError(
             "--data and --config-file: choose one; with a config file, data_fn gives the data "
             "of --chunk-id"
+        )
+    if options.model is not None or options.model_args is not None:
+        raise UsageError(
+            f"--model{'-args' if options.model is None else ''}: with --config-file, its model_fn "
+            "builds the model (it may call renate_events.models.build_model); leave it out"
         )
     config = _load_config_file(options.config_file)  # type: ignore[arg-type]
     manifest = None
@@ -2047,6 +2418,8 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     from renate_events.scenarios import Task
 
     options = _options(_EvaluateOptions, values)
+    if options.scenario is not None or options.data_dir is not None:
+        _check_data_dir(options.scenario, options.data_dir)
     if options.config_file is not None:
         return _evaluate_from_config(options)
     if options.chunk_ids is not None:
@@ -2054,17 +2427,15 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     if options.data is not None:
         data = _load_data_file(options.data)
     updater, spec = _updater_from_folder(options.state)
-    model = _classifier(updater.learner_instance, options.classifier, options.state)
+    classifier = _classifier(updater.learner_instance, options.classifier, options.state)
+    model = _evaluated(classifier, updater.transforms)
     if options.data is not None:
-        _check_fits(f"--data {options.data}", data, spec)
+        data = _fitted(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
     else:
-        try:
-            tasks = list(SCENARIOS[options.scenario](seed=options.seed).tasks())
-        except ImportError as exc:
-            raise UsageError(f"--scenario {options.scenario}: {exc}") from None
-        _check_fits(f"--scenario {options.scenario}", tasks[0].test, spec)
+        tasks = _scenario_tasks(options.scenario, options.data_dir, options.seed)
+        _fitted(f"--scenario {options.scenario}", tasks[0].test, spec)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
