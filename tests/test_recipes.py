@@ -119,7 +119,7 @@ def test_each_recipe_with_a_config_file_over_two_updates(tmp_path, path):
     config.write_text(CONFIG)
     recipe = _recipe(path)
     extra = ["--epochs", "1", "--device", "cpu", "--no-progress"]
-    if recipe["learner"] in ("pod-er", "super-er"):
+    if recipe["learner"] in ("pod-er", "super-er", "icarl"):
         extra += ["--feature-modules", '["1"]']
     first, second = tmp_path / "s0", tmp_path / "s1"
     common = ["update", "--config-file", str(config), "--config", str(path), *extra]
