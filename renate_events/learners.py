@@ -33,6 +33,7 @@ from renate_events.components import (
     WeightedCustomLossComponent,
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
+    call_model,
     check_class_means,
     copy_without_hooks,
     exemplar_means,
@@ -85,12 +86,9 @@ def forward(model: nn.Module, inputs: Any, task_id: Any = None) -> torch.Tensor:
     as the keyword ``task_id``, Renate's ``RenateModule.forward(x, task_id)``:
     ``model(x, task_id=ids)``.
     """
-    extra = {} if task_id is None else {"task_id": task_id}
-    if isinstance(inputs, Mapping):
-        return model(**inputs, **extra)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs, **extra)
-    return model(inputs, **extra)
+    if task_id is None:
+        return cast(torch.Tensor, call_model(model, inputs))
+    return cast(torch.Tensor, call_model(model, inputs, task_id=task_id))
 
 
 def _takes_task_id(model: nn.Module) -> bool:

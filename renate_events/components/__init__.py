@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from renate_events.components.cls import WeightedCLSLossComponent
-from renate_events.components.component import BatchMemory, Component, Inputs
+from renate_events.components.component import BatchMemory, Component, Inputs, call_model
 from renate_events.components.ewc import (
     EWC_MODES,
     ElasticWeightConsolidationComponent,
@@ -65,6 +65,7 @@ __all__ = [
     "WeightedLossComponent",
     "WeightedMeanSquaredErrorLossComponent",
     "WeightedPooledOutputDistillationLossComponent",
+    "call_model",
     "check_class_means",
     "copy_without_hooks",
     "distillation_loss",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from renate_events.components.component import Component
+from renate_events.components.component import Component, call_model
 from trainer import validators as v
 from trainer.data import to_device
 
@@ -24,14 +24,6 @@ __all__ = ["EWC_MODES", "ElasticWeightConsolidationComponent", "empirical_fisher
 #: ``"separate"``: one penalty per earlier update (its Fisher and its parameters);
 #: ``"online"``: one penalty with ``F = decay_factor * F_old + F_new`` around the last parameters.
 EWC_MODES = ("separate", "online")
-
-
-def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def empirical_fisher(
@@ -68,7 +60,7 @@ def empirical_fisher(
             inputs, targets = batch
             inputs, targets = to_device(inputs, device), targets.to(device)
             model.zero_grad(set_to_none=True)
-            loss = loss_fn(_call(model, inputs), targets)
+            loss = loss_fn(call_model(model, inputs), targets)
             (loss if loss.dim() == 0 else loss.mean()).backward()
             for name, parameter in parameters.items():
                 if parameter.grad is not None:

@@ -8,7 +8,6 @@ Learning", CVPR 2017. The exemplar memory (herding) is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import attrs
@@ -16,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from renate_events.components.component import BatchMemory, Component
-from renate_events.components.features import IntermediateRepresentations, copy_without_hooks
+from renate_events.components.component import BatchMemory, call_model
+from renate_events.components.features import IntermediateRepresentations
+from renate_events.components.lwf import OldModelDistillation
 from trainer import validators as v
 
 __all__ = [
@@ -63,14 +63,6 @@ def icarl_loss(
     return F.binary_cross_entropy_with_logits(outputs.float(), target)
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def module_features(model: nn.Module, module: str, inputs: Any) -> torch.Tensor:
     """The output of ``model``'s submodule ``module`` when ``model`` runs on ``inputs``, as
     ``(batch, d)`` (flattened after the batch dimension).
@@ -82,7 +74,7 @@ def module_features(model: nn.Module, module: str, inputs: Any) -> torch.Tensor:
         torch.Size([5, 3])
     """
     with IntermediateRepresentations(model, [module]) as recorder:
-        _call(model, inputs)
+        call_model(model, inputs)
         output = recorder.representations[0]
     if not isinstance(output, torch.Tensor) or output.dim() == 0:
         raise ValueError(
@@ -208,7 +200,7 @@ def check_class_means(means: Any, known: Any, where: str) -> None:
 
 
 @attrs.define(eq=False)
-class ICaRLLossComponent(Component):
+class ICaRLLossComponent(OldModelDistillation):
     """iCaRL's loss (:func:`icarl_loss`) on the new batch and, weighted by ``weight``, on a
     memory batch of exemplars.
 
@@ -235,37 +227,16 @@ class ICaRLLossComponent(Component):
 
     weight: float = attrs.field(default=1.0, validator=v.real_in_range(0))
     sample_new_memory_batch: bool = attrs.field(default=True, validator=v.boolean)
-    _old_model: nn.Module | None = attrs.field(init=False, default=None)
-    _seen: torch.Tensor | None = attrs.field(init=False, default=None)
-    _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)
-    _updates: int = attrs.field(init=False, default=0)
 
     @property
     def calls_model(self) -> bool:
         """The frozen copy of the model gives the old classes' targets on every batch."""
         return True
 
-    def on_train_start(self, model: nn.Module) -> None:
-        """Freeze a copy of the model as it is before this update (none before the first)."""
-        self._updates += 1
-        if self._updates == 1 or self._seen is None:
-            self._old_model, self._old_classes = None, None
-            return
-        self._old_model = self._frozen(model)
-        self._old_classes = self._seen.clone()
-
-    @staticmethod
-    def _frozen(model: nn.Module) -> nn.Module:
-        twin = copy_without_hooks(model).eval()
-        for parameter in twin.parameters():
-            parameter.requires_grad_(False)
-        return twin
-
     def _loss(self, outputs: torch.Tensor, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         if self._old_model is None or self._old_classes is None:
             return icarl_loss(outputs, targets)
-        with torch.no_grad():
-            old_outputs = _call(self._old_model, inputs)
+        old_outputs = self._old_outputs(inputs)
         classes = self._old_classes
         if classes.device != outputs.device or classes.numel() != outputs.shape[-1]:
             grown = torch.zeros(outputs.shape[-1], dtype=torch.bool, device=outputs.device)
@@ -295,60 +266,3 @@ class ICaRLLossComponent(Component):
         (inputs, targets), _ = batch_memory
         loss = self._loss(outputs_memory, inputs, targets)
         return loss if self.weight == 1 else loss * self.weight
-
-    def _note_classes(self, targets: torch.Tensor, classes: int) -> None:
-        seen = self._seen
-        if seen is None or seen.numel() != classes or seen.device != targets.device:
-            grown = torch.zeros(classes, dtype=torch.bool, device=targets.device)
-            if seen is not None:
-                grown[: min(classes, seen.numel())] = seen[:classes].to(targets.device)
-            seen = grown
-        self._seen = seen.index_fill(0, targets.reshape(-1).long(), True)
-
-    def on_save_checkpoint(self, checkpoint: MutableMapping[str, Any]) -> None:
-        checkpoint["updates"] = self._updates
-        if self._seen is not None:
-            checkpoint["seen_classes"] = self._seen
-        if self._old_classes is not None:
-            checkpoint["old_classes"] = self._old_classes
-        if self._old_model is not None:
-            checkpoint["old_model"] = dict(self._old_model.state_dict())
-
-    def on_load_checkpoint(self, checkpoint: Mapping[str, Any], model: nn.Module) -> None:
-        """Restore the frozen copy (checked against ``model``'s state) and the classes seen."""
-        name = type(self).__name__
-        updates = checkpoint.get("updates")
-        if not v.is_int(updates) or updates < 0:
-            raise ValueError(
-                f"{name}: checkpoint key 'updates' must be an int >= 0, got {updates!r}"
-            )
-        for key in ("seen_classes", "old_classes"):
-            value = checkpoint.get(key)
-            if value is not None and (
-                not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 1
-            ):
-                raise ValueError(f"{name}: checkpoint key {key!r} must be a 1-d bool tensor")
-        old_model = self._restored_copy(checkpoint.get("old_model"), model)
-        self._updates = updates
-        self._seen = checkpoint.get("seen_classes")
-        self._old_classes = checkpoint.get("old_classes")
-        self._old_model = old_model
-
-    def _restored_copy(self, state: Any, model: nn.Module) -> nn.Module | None:
-        if state is None:
-            return None
-        name, expected = type(self).__name__, model.state_dict()
-        if not isinstance(state, Mapping) or set(state) != set(expected):
-            raise ValueError(
-                f"{name}: checkpoint key 'old_model' must hold the model's state "
-                f"({len(expected)} tensors named as model.state_dict())"
-            )
-        for key, tensor in state.items():
-            if not isinstance(tensor, torch.Tensor) or tensor.shape != expected[key].shape:
-                raise ValueError(
-                    f"{name}: checkpoint 'old_model'[{key!r}] does not match the model's "
-                    f"shape {tuple(expected[key].shape)}"
-                )
-        old_model = self._frozen(model)
-        old_model.load_state_dict(dict(state))
-        return old_model

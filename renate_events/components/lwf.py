@@ -6,17 +6,21 @@ Li and Hoiem, "Learning without Forgetting", ECCV 2016 (TPAMI 2018).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
 from torch import nn
 
-from renate_events.components.component import Component
+from renate_events.components.component import Component, call_model
 from renate_events.components.features import copy_without_hooks
 from trainer import validators as v
 
-__all__ = ["LearningWithoutForgettingComponent", "distillation_loss"]
+__all__ = [
+    "LearningWithoutForgettingComponent",
+    "OldModelDistillation",
+    "distillation_loss",
+]
 
 
 def distillation_loss(
@@ -50,41 +54,17 @@ def distillation_loss(
     return (q * (log_q - log_p)).sum(dim=-1).mean()
 
 
-def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 @attrs.define(eq=False)
-class LearningWithoutForgettingComponent(Component):
-    """LwF: ``alpha * KL(old model || model)`` at temperature ``T`` on every new-data batch.
+class OldModelDistillation(Component):
+    """The part LwF and iCaRL share: a frozen copy of the model taken at the start of every
+    update after the first, the classes seen in the batches trained so far, the classes seen
+    before the copy was taken, and all three in checkpoints (the copy checked against the
+    model's state before anything is restored)."""
 
-    At the start of every update (``train_start``) a frozen copy of the model is taken; from
-    the second update on, each step adds :func:`distillation_loss` between the copy's and the
-    model's logits on the new batch, over the classes seen in earlier updates (the targets of
-    the batches trained so far; all logits when targets are not class labels), through
-    :meth:`~renate_events.components.Component.new_data_loss`. Avalanche's form (which Renate
-    wraps): no ``T ** 2`` factor. The copy and the classes are stored in checkpoints.
-
-    Args:
-        alpha: Weight of the distillation term (Renate's default 1).
-        temperature: Softmax temperature (Renate's default 2).
-    """
-
-    alpha: float = attrs.field(default=1.0, validator=v.real_in_range(0))
-    temperature: float = attrs.field(default=2.0, validator=v.real_in_range(0, low_open=True))
     _old_model: nn.Module | None = attrs.field(init=False, default=None)
     _seen: torch.Tensor | None = attrs.field(init=False, default=None)  # classes seen so far
     _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)  # at train_start
     _updates: int = attrs.field(init=False, default=0)  # updates started
-
-    @property
-    def calls_model(self) -> bool:
-        """The frozen copy of the model runs on every new batch (with ``alpha > 0``)."""
-        return self.alpha > 0
 
     def on_train_start(self, model: nn.Module) -> None:
         """Freeze a copy of the model as it is before this update (none before the first)."""
@@ -102,25 +82,10 @@ class LearningWithoutForgettingComponent(Component):
             parameter.requires_grad_(False)
         return twin
 
-    def new_data_loss(
-        self,
-        outputs: torch.Tensor,
-        batch: tuple[Any, torch.Tensor],
-        intermediate_representations: list[torch.Tensor] | None,
-    ) -> torch.Tensor | None:
-        inputs, targets = batch
-        labels = not targets.dtype.is_floating_point and targets.dim() == 1
-        if labels:
-            self._note_classes(targets, outputs.shape[-1])
-        if self._old_model is None or self.alpha == 0:
-            return None
+    def _old_outputs(self, inputs: Any) -> torch.Tensor:
+        """The frozen copy's outputs on ``inputs`` (no gradients)."""
         with torch.no_grad():
-            old_outputs = _call(self._old_model, inputs)
-        classes = self._old_classes if labels else None
-        if classes is not None and classes.device != outputs.device:
-            classes = self._old_classes = classes.to(outputs.device)
-        loss = distillation_loss(outputs, old_outputs, self.temperature, classes)
-        return loss if self.alpha == 1 else loss * self.alpha
+            return call_model(cast(nn.Module, self._old_model), inputs)
 
     def _note_classes(self, targets: torch.Tensor, classes: int) -> None:
         seen = self._seen
@@ -129,7 +94,7 @@ class LearningWithoutForgettingComponent(Component):
             if seen is not None:
                 grown[: min(classes, seen.numel())] = seen[:classes].to(targets.device)
             seen = grown
-        self._seen = seen.index_fill(0, targets, True)
+        self._seen = seen.index_fill(0, targets.reshape(-1).long(), True)
 
     def on_save_checkpoint(self, checkpoint: MutableMapping[str, Any]) -> None:
         checkpoint["updates"] = self._updates
@@ -154,24 +119,71 @@ class LearningWithoutForgettingComponent(Component):
                 not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 1
             ):
                 raise ValueError(f"{name}: checkpoint key {key!r} must be a 1-d bool tensor")
-        state = checkpoint.get("old_model")
-        old_model = None
-        if state is not None:
-            expected = model.state_dict()
-            if not isinstance(state, Mapping) or set(state) != set(expected):
-                raise ValueError(
-                    f"{name}: checkpoint key 'old_model' must hold the model's state "
-                    f"({len(expected)} tensors named as model.state_dict())"
-                )
-            for key, tensor in state.items():
-                if not isinstance(tensor, torch.Tensor) or tensor.shape != expected[key].shape:
-                    raise ValueError(
-                        f"{name}: checkpoint 'old_model'[{key!r}] does not match the model's "
-                        f"shape {tuple(expected[key].shape)}"
-                    )
-            old_model = self._frozen(model)
-            old_model.load_state_dict(dict(state))
+        old_model = self._restored_copy(checkpoint.get("old_model"), model)
         self._updates = updates
         self._seen = checkpoint.get("seen_classes")
         self._old_classes = checkpoint.get("old_classes")
         self._old_model = old_model
+
+    def _restored_copy(self, state: Any, model: nn.Module) -> nn.Module | None:
+        if state is None:
+            return None
+        name, expected = type(self).__name__, model.state_dict()
+        if not isinstance(state, Mapping) or set(state) != set(expected):
+            raise ValueError(
+                f"{name}: checkpoint key 'old_model' must hold the model's state "
+                f"({len(expected)} tensors named as model.state_dict())"
+            )
+        for key, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != expected[key].shape:
+                raise ValueError(
+                    f"{name}: checkpoint 'old_model'[{key!r}] does not match the model's "
+                    f"shape {tuple(expected[key].shape)}"
+                )
+        old_model = self._frozen(model)
+        old_model.load_state_dict(dict(state))
+        return old_model
+
+
+@attrs.define(eq=False)
+class LearningWithoutForgettingComponent(OldModelDistillation):
+    """LwF: ``alpha * KL(old model || model)`` at temperature ``T`` on every new-data batch.
+
+    At the start of every update (``train_start``) a frozen copy of the model is taken; from
+    the second update on, each step adds :func:`distillation_loss` between the copy's and the
+    model's logits on the new batch, over the classes seen in earlier updates (the targets of
+    the batches trained so far; all logits when targets are not class labels), through
+    :meth:`~renate_events.components.Component.new_data_loss`. Avalanche's form (which Renate
+    wraps): no ``T ** 2`` factor. The copy and the classes are stored in checkpoints.
+
+    Args:
+        alpha: Weight of the distillation term (Renate's default 1).
+        temperature: Softmax temperature (Renate's default 2).
+    """
+
+    alpha: float = attrs.field(default=1.0, validator=v.real_in_range(0))
+    temperature: float = attrs.field(default=2.0, validator=v.real_in_range(0, low_open=True))
+
+    @property
+    def calls_model(self) -> bool:
+        """The frozen copy of the model runs on every new batch (with ``alpha > 0``)."""
+        return self.alpha > 0
+
+    def new_data_loss(
+        self,
+        outputs: torch.Tensor,
+        batch: tuple[Any, torch.Tensor],
+        intermediate_representations: list[torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        inputs, targets = batch
+        labels = not targets.dtype.is_floating_point and targets.dim() == 1
+        if labels:
+            self._note_classes(targets, outputs.shape[-1])
+        if self._old_model is None or self.alpha == 0:
+            return None
+        old_outputs = self._old_outputs(inputs)
+        classes = self._old_classes if labels else None
+        if classes is not None and classes.device != outputs.device:
+            classes = self._old_classes = classes.to(outputs.device)
+        loss = distillation_loss(outputs, old_outputs, self.temperature, classes)
+        return loss if self.alpha == 1 else loss * self.alpha
