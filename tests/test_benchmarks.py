@@ -7,6 +7,7 @@ by a change of the code it measures.
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -92,3 +93,19 @@ def test_search_benchmark_writes_its_page(tmp_path):
     _run("search.py", "--seeds", "0", "--trials", "1", "--markdown", str(page))
     text = page.read_text(encoding="utf-8")
     assert "| defaults |" in text and "| search, 1 trials, no pruner |" in text
+
+
+@pytest.mark.slow
+def test_replay_step_resnet_checks_the_losses_and_writes_its_page(tmp_path):
+    """A narrow ResNet (nf=2) keeps it to seconds; the timing itself is not checked."""
+    page = tmp_path / "replay_step_resnet.md"
+    out = _run(
+        "replay_step_resnet.py", "--quick", "--nf", "2", "--check-steps", "2",
+        "--markdown", str(page),
+    )  # fmt: skip
+    text = page.read_text(encoding="utf-8")
+    for row in ("bare DER++ loop", "DarkExperienceReplayLearner + Trainer", "cpu"):
+        assert f"| {row} |" in text, row
+    assert "losses agree over 2 steps" in out
+    assert re.search(r"library / bare: \d+\.\d{3}x \(target <= 1\.10x: (met|NOT met)\)", out)
+    assert "$ python benchmarks/replay_step_resnet.py --quick --nf 2" in text
