@@ -898,9 +898,13 @@ def _load_data_file(path: str) -> torch.utils.data.TensorDataset:
     missing = {"inputs", "targets"} - set(tensors)
     if missing:
         raise UsageError(f"--data {path} lacks {sorted(missing)}; it holds {sorted(tensors)}")
-    return torch.utils.data.TensorDataset(
-        _inputs(path, tensors["inputs"]), _targets(path, tensors["targets"])
-    )
+    inputs, targets = _inputs(path, tensors["inputs"]), _targets(path, tensors["targets"])
+    if len(inputs) != len(targets):
+        raise UsageError(
+            f"--data {path}: 'inputs' and 'targets' must have the same length, got {len(inputs)} "
+            f"and {len(targets)}"
+        )
+    return torch.utils.data.TensorDataset(inputs, targets)
 
 
 def _read_tensors(flag: str, path: str) -> dict[str, torch.Tensor]:
