@@ -2439,7 +2439,8 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
     else:
         tasks = _scenario_tasks(options.scenario, options.data_dir, options.seed)
-        _fitted(f"--scenario {options.scenario}", tasks[0].test, spec)
+        for task in tasks:  # every task's labels: a later task may exceed the model's classes
+            _fitted(f"--scenario {options.scenario}", task.test, spec)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
