@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import safetensors.torch
 import torch
+from torch.utils.data import TensorDataset
 
+from renate_events import ExperienceReplayLearner
 from renate_events.cli import main
+from trainer import Trainer
 
 
 def _one_line_error(capsys, argv, *words) -> str:
@@ -24,3 +28,35 @@ def test_a_data_file_whose_inputs_and_targets_differ_in_length_is_one_line(tmp_p
     safetensors.torch.save_file({"inputs": inputs, "targets": torch.arange(5)}, str(data))
     argv = ["evaluate", "--state", str(tmp_path / "state"), "--data", str(data)]
     _one_line_error(capsys, argv, "same length", "6 and 5")
+
+
+def _learner(**transforms):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    return ExperienceReplayLearner(
+        model=model,
+        memory_size=8,
+        memory_batch_size=4,
+        batch_size=4,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **transforms,
+    )
+
+
+def test_the_label_check_sees_the_target_transforms_labels():
+    data = TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)  # labels 10..13
+    shift = {
+        "train_target_transform": lambda t: t - 10,
+        "buffer_target_transform": lambda t: t - 10,
+    }
+    assert _learner(**shift).fit(data).steps == 2  # remapped to the 4 outputs
+    with pytest.raises(ValueError, match=r"training labels range over \[10, 13\]"):
+        _learner(train_target_transform=shift["train_target_transform"]).fit(data)  # replay: raw
+    data = TensorDataset(torch.randn(8, 4), torch.arange(8) % 4)
+    for name in ("train_target_transform", "buffer_target_transform"):
+        learner = _learner(**{name: lambda t: t + 10})
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        with pytest.raises(ValueError, match=f"through {name} range over \\[10, 13\\]"):
+            learner.fit(data)
+        # refused before a forward pass: the batch-norm statistics are as they were
+        assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
