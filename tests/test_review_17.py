@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 
 from renate_events import ExperienceReplayLearner
 from renate_events.cli import main
+from renate_events.transforms import Normalize
 from trainer import Trainer
 
 
@@ -60,3 +61,9 @@ def test_the_label_check_sees_the_target_transforms_labels():
             learner.fit(data)
         # refused before a forward pass: the batch-norm statistics are as they were
         assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
+@pytest.mark.parametrize("mean", [float("nan"), float("inf"), "a"])
+def test_normalize_refuses_a_mean_that_is_not_a_finite_number(mean):
+    with pytest.raises(ValueError, match=r"Normalize\.mean must be finite numbers"):
+        Normalize([mean, 0.5, 0.5], [0.2, 0.2, 0.2])
