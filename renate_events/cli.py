@@ -42,6 +42,7 @@ from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.learners import ICaRLLearner
+from renate_events.memory.mapped import MappedFileError
 from renate_events.models import MODELS, build_model
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.search import SearchSpaceError
@@ -62,6 +63,7 @@ from renate_events.updater import (
 )
 from trainer import CheckpointError, NonFiniteLossError
 from trainer import validators as checks
+from trainer.exceptions import ListenerError
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["main"]
@@ -2646,6 +2648,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[command](values, from_file)
     except _EXPECTED as exc:
         print(f"renate-events: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk
+        if not isinstance(exc.__cause__, MappedFileError):
+            raise
+        print(f"renate-events: error: {_one_line(exc.__cause__)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("renate-events: interrupted", file=sys.stderr)

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -472,11 +473,19 @@ def _check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> 
     pairs = [signature["inputs"], signature["targets"]]
     if not all(isinstance(pair, list) and hasattr(torch, pair[1]) for pair in pairs):
         return  # inputs that are not one tensor: their size is known at the first batch
-    row = sum(
+    rows = [
         math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         for shape, dtype in pairs
-    )
+    ]
+    row = sum(rows)
     needed = row * cast(int, buffer.max_size)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # per file: the inputs' is the largest
+    if limit != resource.RLIM_INFINITY and max(rows) * cast(int, buffer.max_size) > limit:
+        raise UpdateInputError(
+            f"the mapped buffer's inputs file needs {max(rows) * cast(int, buffer.max_size)} bytes "
+            f"({buffer.max_size} samples of {max(rows)} bytes), but the process's file-size "
+            f"limit is {limit} bytes; raise it (ulimit -f) or lower memory_size"
+        )
     stats = os.statvfs(buffer.folder)
     free = stats.f_bavail * stats.f_frsize
     if free < needed:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import resource
+
 import pytest
 import safetensors.torch
 import torch
@@ -10,6 +14,7 @@ from torch.utils.data import TensorDataset
 from renate_events import ExperienceReplayLearner
 from renate_events.cli import main
 from renate_events.transforms import Normalize
+from renate_events.updater import ModelUpdater, UpdateInputError
 from trainer import Trainer
 
 
@@ -67,3 +72,60 @@ def test_the_label_check_sees_the_target_transforms_labels():
 def test_normalize_refuses_a_mean_that_is_not_a_finite_number(mean):
     with pytest.raises(ValueError, match=r"Normalize\.mean must be finite numbers"):
         Normalize([mean, 0.5, 0.5], [0.2, 0.2, 0.2])
+
+
+def _mapped_updater(folder):
+    torch.manual_seed(0)
+    return ModelUpdater(
+        torch.nn.Linear(4, 3),
+        learner="er",
+        learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8},
+        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        buffer_storage="mapped",
+        output_state_folder=folder,
+    )
+
+
+def test_a_file_size_limit_below_the_mapped_buffer_is_refused_before_training(tmp_path):
+    updater = _mapped_updater(tmp_path / "out")
+    before = {k: v.clone() for k, v in updater.model.state_dict().items()}
+    data = TensorDataset(torch.randn(16, 4), torch.arange(16) % 3)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # the inputs file: 16 x 16 bytes
+    try:
+        with pytest.raises(UpdateInputError, match="file-size limit is 200 bytes"):
+            updater.update(data)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert all(torch.equal(before[k], v) for k, v in updater.model.state_dict().items())
+    assert list(tmp_path.iterdir()) == []
+
+
+CONFIG = """
+import torch
+
+
+def model_fn():
+    return torch.nn.Linear(4, 3)
+
+
+def data_fn(chunk_id, seed):
+    return torch.utils.data.TensorDataset(torch.randn(16, 4), torch.arange(16) % 3)
+"""
+
+
+def test_a_mapped_buffer_file_failing_in_training_is_one_line_on_the_cli(
+    tmp_path, capsys, monkeypatch
+):
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+
+    def too_large(*args):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(os, "posix_fallocate", too_large)  # the first buffer file, in training
+    argv = ["update", "--config-file", str(config), "--output-state", str(tmp_path / "out")]
+    argv += ["--buffer-storage", "mapped", "--epochs", "1", "--memory-size", "8"]
+    argv += ["--batch-size", "8", "--memory-batch-size", "4", "--device", "cpu", "--no-progress"]
+    _one_line_error(capsys, argv, "file-size limit")
+    assert not (tmp_path / "out").exists()
