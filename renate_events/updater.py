@@ -330,6 +330,13 @@ def _key(folder: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(parent), name)
 
 
+def _existing_folder(path: str) -> str:
+    """``path``, or its nearest existing ancestor (on the disk where a folder made there goes)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _optimizer_config(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if callable(value) and not isinstance(value, Mapping):
         return  # a factory f(params), recorded by name
@@ -571,9 +578,10 @@ class ModelUpdater:
             buffer's snapshot files ``buffer.g<generation>.<i>.bin`` beside the checkpoint. The
             choice is recorded, and a later update must make the same one.
         buffer_folder: Where a mapped buffer's working files are made while it is in use
-            (default: the output state folder's parent, else the input's, else the system's
-            temporary folder); they have no name there, so nothing is left when the process
-            ends, killed or not. Best on the disk of the state folders.
+            (default: the output state folder's parent, or its nearest existing ancestor, else
+            the input's, else the system's temporary folder); they have no name there, so
+            nothing is left when the process ends, killed or not. Best on the disk of the state
+            folders.
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
@@ -1079,8 +1087,8 @@ class ModelUpdater:
         folder = self.buffer_folder
         if folder is None:
             given = (self.output_state_folder, self.input_state_folder)
-            parents = [os.path.dirname(_key(f)) for f in given if f is not None]
-            folder = next((p for p in parents if os.path.isdir(p)), tempfile.gettempdir())
+            parents = [_existing_folder(os.path.dirname(_key(f))) for f in given if f is not None]
+            folder = parents[0] if parents else tempfile.gettempdir()
         try:
             return _MAPPED_BUFFERS[self.buffer](
                 max_size=memory_size, seed=seed, folder=folder, unlinked=True

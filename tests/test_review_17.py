@@ -129,3 +129,9 @@ def test_a_mapped_buffer_file_failing_in_training_is_one_line_on_the_cli(
     argv += ["--batch-size", "8", "--memory-batch-size", "4", "--device", "cpu", "--no-progress"]
     _one_line_error(capsys, argv, "file-size limit")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mapped_buffer_for_a_new_nested_output_works_beside_it_not_in_the_temp_folder(tmp_path):
+    """The output's parent does not exist yet: its nearest existing ancestor, on its disk."""
+    updater = _mapped_updater(tmp_path / "new" / "nested" / "out")
+    assert str(updater.learner_instance.buffer.folder) == str(tmp_path)
