@@ -870,6 +870,9 @@ class ModelUpdater:
                 outputs = self._forward_probe(model, inputs, what)
                 self._check_data(learner, data, what)
                 targets = to_device(targets, outputs.device)
+                target_transform = self.transforms.get("train_target_transform")
+                if target_transform is not None:  # the loss sees the transformed labels
+                    targets = target_transform(targets)
                 self._call_probe("loss_fn", learner.loss_fn, outputs, targets, what, "the loss")
                 for name, metric in self.metrics.items():
                     self._call_probe(name, metric, outputs, targets, what, f"the metric {name!r}")

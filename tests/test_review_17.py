@@ -135,3 +135,16 @@ def test_a_mapped_buffer_for_a_new_nested_output_works_beside_it_not_in_the_temp
     """The output's parent does not exist yet: its nearest existing ancestor, on its disk."""
     updater = _mapped_updater(tmp_path / "new" / "nested" / "out")
     assert str(updater.learner_instance.buffer.folder) == str(tmp_path)
+
+
+def test_the_updaters_loss_probe_sees_the_train_target_transforms_labels():
+    shift = lambda t: t - 10  # noqa: E731
+    updater = ModelUpdater(
+        torch.nn.Linear(4, 4),
+        learner="er",
+        learner_kwargs={"memory_size": 8, "memory_batch_size": 4, "batch_size": 4},
+        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        transforms={"train_target_transform": shift, "buffer_target_transform": shift},
+    )
+    assert updater.update(TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)).steps == 2
+
