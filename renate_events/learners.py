@@ -1993,6 +1993,8 @@ class GDumbLearner(JointLearner):
         try:
             with torch.no_grad():
                 probe = tensors[0][:1].to(_model_device(self.model))
+                with self._rng_kept(probe):  # the model's input, as in training
+                    probe = self._transformed("train_transform", probe, 1)
                 classes = self._forward(probe).shape[-1]
         finally:
             self.model.train(was_training)

@@ -148,3 +148,24 @@ def test_the_updaters_loss_probe_sees_the_train_target_transforms_labels():
     )
     assert updater.update(TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)).steps == 2
 
+
+def test_gdumb_checks_raw_uint8_images_through_the_train_transform():
+    from renate_events.learners import GDumbLearner
+    from renate_events.transforms import ToFloat
+
+    images = torch.randint(0, 256, (6, 3, 2, 2), dtype=torch.uint8)
+    data = TensorDataset(images, torch.arange(6) % 3)
+    for classes in (3, 8):
+        learner = GDumbLearner(
+            model=torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, classes)),
+            memory_size=6,
+            trainer=Trainer(max_epochs=1, device="cpu"),
+            train_transform=ToFloat(),
+            buffer_transform=ToFloat(),
+        )
+        if classes == 3:
+            learner.check_data(data)  # the probe took the uint8 images to the model before
+        else:
+            with pytest.raises(ValueError, match=r"at least the model's number of classes \(8\)"):
+                learner.check_data(data)
+
