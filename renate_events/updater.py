@@ -1087,6 +1087,12 @@ class ModelUpdater:
     def _make_buffer(self, memory_size: int, seed: int) -> DataBuffer:
         if self.buffer_storage == "memory":
             return BUFFERS[self.buffer](max_size=memory_size, seed=seed)
+        if self.buffer not in _MAPPED_BUFFERS:
+            raise ValueError(
+                f"ModelUpdater.buffer_storage='mapped' has no {self.buffer!r} buffer (mapped: "
+                f"{', '.join(sorted(_MAPPED_BUFFERS))}); pass buffer_storage='memory' "
+                "(renate-events --buffer-storage memory) or another buffer"
+            )
         folder = self.buffer_folder
         if folder is None:
             given = (self.output_state_folder, self.input_state_folder)
