@@ -42,6 +42,7 @@ from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.learners import ICaRLLearner
+from renate_events.memory.mapped import MappedFileError
 from renate_events.models import MODELS, build_model
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.search import SearchSpaceError
@@ -62,6 +63,7 @@ from renate_events.updater import (
 )
 from trainer import CheckpointError, NonFiniteLossError
 from trainer import validators as checks
+from trainer.exceptions import ListenerError
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["main"]
@@ -898,9 +900,13 @@ def _load_data_file(path: str) -> torch.utils.data.TensorDataset:
     missing = {"inputs", "targets"} - set(tensors)
     if missing:
         raise UsageError(f"--data {path} lacks {sorted(missing)}; it holds {sorted(tensors)}")
-    return torch.utils.data.TensorDataset(
-        _inputs(path, tensors["inputs"]), _targets(path, tensors["targets"])
-    )
+    inputs, targets = _inputs(path, tensors["inputs"]), _targets(path, tensors["targets"])
+    if len(inputs) != len(targets):
+        raise UsageError(
+            f"--data {path}: 'inputs' and 'targets' must have the same length, got {len(inputs)} "
+            f"and {len(targets)}"
+        )
+    return torch.utils.data.TensorDataset(inputs, targets)
 
 
 def _read_tensors(flag: str, path: str) -> dict[str, torch.Tensor]:
@@ -2435,7 +2441,8 @@ def _evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
     else:
         tasks = _scenario_tasks(options.scenario, options.data_dir, options.seed)
-        _fitted(f"--scenario {options.scenario}", tasks[0].test, spec)
+        for task in tasks:  # every task's labels: a later task may exceed the model's classes
+            _fitted(f"--scenario {options.scenario}", task.test, spec)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
@@ -2641,6 +2648,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[command](values, from_file)
     except _EXPECTED as exc:
         print(f"renate-events: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk
+        if not isinstance(exc.__cause__, MappedFileError):
+            raise
+        print(f"renate-events: error: {_one_line(exc.__cause__)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("renate-events: interrupted", file=sys.stderr)

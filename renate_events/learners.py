@@ -201,6 +201,19 @@ def _unpack(batch: Any) -> tuple[Any, torch.Tensor]:
     return inputs, targets
 
 
+def _check_labels(labels: torch.Tensor, classes: int, what: str) -> None:
+    """Class labels (an integer tensor of one per sample) in ``0..classes - 1``; other targets
+    (soft labels for the user's loss) are left to it."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dim() != 1:
+        return
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        raise ValueError(
+            f"{what} range over [{low}, {high}], but the model has {classes} outputs (labels "
+            f"0..{classes - 1}); widen the model's last layer or remap the labels"
+        )
+
+
 def _unpack_task(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
     """``(inputs, targets, task_ids)`` of a batch ``(inputs, targets)`` (task ids None) or
     ``(inputs, targets, task_ids)``."""
@@ -730,13 +743,17 @@ class BaseExperienceReplayLearner:
                 classes = self._probe_classes(probe, task_ids)
         finally:
             self.model.train(was_training)
-        low, high = int(targets.min()), int(targets.max())
-        if low < 0 or high >= classes:
-            raise ValueError(
-                f"the training labels range over [{low}, {high}], but the model has {classes} "
-                f"outputs (labels 0..{classes - 1}); widen the model's last layer or remap the "
-                "labels"
-            )
+        for name in ("train_target_transform", "buffer_target_transform"):
+            # the labels the losses see: the raw ones, or the target transform's
+            if name == "buffer_target_transform" and self.buffer is None:
+                continue
+            labels, what = targets, "the training labels"
+            if getattr(self, name) is not None:
+                on_device = targets.to(_model_device(self.model))  # where the transform runs
+                with self._rng_kept(on_device):
+                    labels = self._transformed(name, on_device, len(targets))
+                what = f"the training labels through {name}"
+            _check_labels(labels, classes, what)
 
     def _check_against_buffer(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """A sample of the data against the buffer's storage (shape and dtype of inputs and
@@ -1974,6 +1991,8 @@ class GDumbLearner(JointLearner):
         try:
             with torch.no_grad():
                 probe = tensors[0][:1].to(_model_device(self.model))
+                with self._rng_kept(probe):  # the model's input, as in training
+                    probe = self._transformed("train_transform", probe, 1)
                 classes = self._forward(probe).shape[-1]
         finally:
             self.model.train(was_training)

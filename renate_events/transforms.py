@@ -143,6 +143,8 @@ class Normalize:
             )
         if not all(validators.is_real(s) and s > 0 for s in self.std):
             raise ValueError(f"Normalize.std must be positive numbers, got {self.std}")
+        if not all(validators.is_real(m) for m in self.mean):
+            raise ValueError(f"Normalize.mean must be finite numbers, got {self.mean}")
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         images = _check_images("Normalize", images)

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -329,6 +330,13 @@ def _key(folder: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(parent), name)
 
 
+def _existing_folder(path: str) -> str:
+    """``path``, or its nearest existing ancestor (on the disk where a folder made there goes)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _optimizer_config(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if callable(value) and not isinstance(value, Mapping):
         return  # a factory f(params), recorded by name
@@ -472,11 +480,19 @@ def _check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> 
     pairs = [signature["inputs"], signature["targets"]]
     if not all(isinstance(pair, list) and hasattr(torch, pair[1]) for pair in pairs):
         return  # inputs that are not one tensor: their size is known at the first batch
-    row = sum(
+    rows = [
         math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         for shape, dtype in pairs
-    )
+    ]
+    row = sum(rows)
     needed = row * cast(int, buffer.max_size)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # per file: the inputs' is the largest
+    if limit != resource.RLIM_INFINITY and max(rows) * cast(int, buffer.max_size) > limit:
+        raise UpdateInputError(
+            f"the mapped buffer's inputs file needs {max(rows) * cast(int, buffer.max_size)} bytes "
+            f"({buffer.max_size} samples of {max(rows)} bytes), but the process's file-size "
+            f"limit is {limit} bytes; raise it (ulimit -f) or lower memory_size"
+        )
     stats = os.statvfs(buffer.folder)
     free = stats.f_bavail * stats.f_frsize
     if free < needed:
@@ -562,9 +578,10 @@ class ModelUpdater:
             buffer's snapshot files ``buffer.g<generation>.<i>.bin`` beside the checkpoint. The
             choice is recorded, and a later update must make the same one.
         buffer_folder: Where a mapped buffer's working files are made while it is in use
-            (default: the output state folder's parent, else the input's, else the system's
-            temporary folder); they have no name there, so nothing is left when the process
-            ends, killed or not. Best on the disk of the state folders.
+            (default: the output state folder's parent, or its nearest existing ancestor, else
+            the input's, else the system's temporary folder); they have no name there, so
+            nothing is left when the process ends, killed or not. Best on the disk of the state
+            folders.
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
@@ -853,6 +870,9 @@ class ModelUpdater:
                 outputs = self._forward_probe(model, inputs, what)
                 self._check_data(learner, data, what)
                 targets = to_device(targets, outputs.device)
+                target_transform = self.transforms.get("train_target_transform")
+                if target_transform is not None:  # the loss sees the transformed labels
+                    targets = target_transform(targets)
                 self._call_probe("loss_fn", learner.loss_fn, outputs, targets, what, "the loss")
                 for name, metric in self.metrics.items():
                     self._call_probe(name, metric, outputs, targets, what, f"the metric {name!r}")
@@ -1067,11 +1087,17 @@ class ModelUpdater:
     def _make_buffer(self, memory_size: int, seed: int) -> DataBuffer:
         if self.buffer_storage == "memory":
             return BUFFERS[self.buffer](max_size=memory_size, seed=seed)
+        if self.buffer not in _MAPPED_BUFFERS:
+            raise ValueError(
+                f"ModelUpdater.buffer_storage='mapped' has no {self.buffer!r} buffer (mapped: "
+                f"{', '.join(sorted(_MAPPED_BUFFERS))}); pass buffer_storage='memory' "
+                "(renate-events --buffer-storage memory) or another buffer"
+            )
         folder = self.buffer_folder
         if folder is None:
             given = (self.output_state_folder, self.input_state_folder)
-            parents = [os.path.dirname(_key(f)) for f in given if f is not None]
-            folder = next((p for p in parents if os.path.isdir(p)), tempfile.gettempdir())
+            parents = [_existing_folder(os.path.dirname(_key(f))) for f in given if f is not None]
+            folder = parents[0] if parents else tempfile.gettempdir()
         try:
             return _MAPPED_BUFFERS[self.buffer](
                 max_size=memory_size, seed=seed, folder=folder, unlinked=True

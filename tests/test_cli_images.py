@@ -106,6 +106,16 @@ def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, c
     _one_line_error(capsys, [*argv, "--data-dir", str(cifar10)], "--scenario is not given")
 
 
+@SLOW
+def test_evaluate_refuses_a_scenario_whose_later_tasks_exceed_the_models_classes(
+    resnet_run, tmp_path, capsys
+):
+    write_cifar100(tmp_path / "cifar-100-binary", per_class=1)  # task 0: labels 0..9, then more
+    argv = ["evaluate", "--state", str(resnet_run / "state" / "seed-0"), "--scenario"]
+    argv += ["seq-cifar100", "--data-dir", str(tmp_path)]
+    _one_line_error(capsys, argv, "the labels range over [10, 19]", "has 10 classes")
+
+
 def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
     write_cifar100(tmp_path / "c100" / "cifar-100-binary", per_class=1)
     out = tmp_path / "out"
