@@ -1617,6 +1617,8 @@ class ElasticWeightConsolidationLearner(BaseExperienceReplayLearner):
                 mode=self.ewc_mode,
                 decay_factor=self.decay_factor,
                 loss_fn=self.loss_fn,
+                transform=self.train_transform,
+                target_transform=self.train_target_transform,
             )
         }
 
@@ -1974,7 +1976,7 @@ class GDumbLearner(JointLearner):
         try:
             with torch.no_grad():
                 probe = tensors[0][:1].to(_model_device(self.model))
-                classes = self._forward(probe).shape[-1]
+                classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
         finally:
             self.model.train(was_training)
         slots = cast(DataBuffer, self.buffer).max_size
@@ -2195,7 +2197,8 @@ class ICaRLLearner(BaseExperienceReplayLearner):
                 view = buffer.dataset()
                 exemplars = DataLoader(view, batch_size=self.batch_size, collate_fn=view.collate)
                 _, labels, features = self._embedded(model, exemplars)
-                classes = self._forward(to_device(inputs[:1], _model_device(model))).shape[-1]
+                probe = to_device(inputs[:1], _model_device(model))
+                classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
                 means, known = exemplar_means(features, labels, classes)
             except BaseException:
                 buffer.load_state_dict(saved)

@@ -1,0 +1,80 @@
+"""Review of issue 18 (the rest of Renate's methods): regressions found by trying the learners
+as a user would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from renate_events.learners import (
+    ElasticWeightConsolidationLearner,
+    GDumbLearner,
+    ICaRLLearner,
+)
+from trainer import Trainer
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x.float() / 255
+
+
+def _bytes(task: int) -> TensorDataset:
+    """uint8 inputs the model can only take through the learner's transforms (as the CIFAR
+    presets keep images)."""
+    g = torch.Generator().manual_seed(task)
+    inputs = torch.randint(0, 255, (16, 8), dtype=torch.uint8, generator=g)
+    return TensorDataset(inputs, torch.randint(2 * task, 2 * task + 2, (16,), generator=g))
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+_TRANSFORMS: dict[str, Any] = {
+    "train_transform": _scaled,
+    "test_transform": _scaled,
+    "buffer_transform": _scaled,
+}
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "steps"),
+    [
+        (ElasticWeightConsolidationLearner, {}, 2),
+        (ICaRLLearner, {"feature_modules": ["1"], "memory_size": 8, "memory_batch_size": 4}, 2),
+        (GDumbLearner, {"memory_size": 8, "memory_batch_size": 4}, 1),  # the 8 buffered
+    ],
+    ids=["ewc-fisher", "icarl-means", "gdumb-class-probe"],
+)
+def test_learners_call_the_model_on_transformed_inputs_only(
+    cls: Any, kwargs: Any, steps: int
+) -> None:
+    # EWC's Fisher pass, iCaRL's class count after herding and GDumb's class probe ran the
+    # model on the raw inputs, which fails for data that needs the learner's transform.
+    learner = cls(
+        model=_mlp(),
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **_TRANSFORMS,
+        **kwargs,
+    )
+    for task in range(2):
+        assert learner.fit(_bytes(task)).steps == steps
+
+
+def test_ewc_fisher_is_that_of_the_transformed_training_data() -> None:
+    learner = ElasticWeightConsolidationLearner(
+        model=_mlp(), batch_size=16, trainer=Trainer(max_epochs=1, device="cpu"), **_TRANSFORMS
+    )
+    data = _bytes(0)
+    learner.fit(data)
+    (fisher,) = learner.components["ewc"].fisher_information()  # type: ignore[attr-defined]
+    model = learner.model
+    model.zero_grad()
+    inputs, targets = data.tensors
+    torch.nn.functional.cross_entropy(model(_scaled(inputs)), targets).backward()
+    torch.testing.assert_close(fisher["0.weight"], model[0].weight.grad.square())
