@@ -1697,8 +1697,16 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         *,
         resume_from: str | os.PathLike[str] | None = None,
     ) -> FitResult:
+        memory_loss = self.components.get("memory_loss")
+        weights = (self.loss_weight, None if memory_loss is None else memory_loss.weight)
         self._set_weights(train_data)
-        return super().fit(train_data, val_data, resume_from=resume_from)
+        try:
+            return super().fit(train_data, val_data, resume_from=resume_from)
+        except BaseException:  # a refused or failed update leaves the weights as they were
+            self.loss_weight = weights[0]
+            if memory_loss is not None and weights[1] is not None:
+                memory_loss.weight = weights[1]
+            raise
 
     def _set_weights(self, train_data: Any) -> None:
         """``loss_weight = w`` and the memory loss's weight ``1 - w`` for this update."""

@@ -13,6 +13,7 @@ from renate_events.learners import (
     ElasticWeightConsolidationLearner,
     GDumbLearner,
     ICaRLLearner,
+    OfflineExperienceReplayLearner,
 )
 from trainer import Trainer
 
@@ -78,3 +79,29 @@ def test_ewc_fisher_is_that_of_the_transformed_training_data() -> None:
     inputs, targets = data.tensors
     torch.nn.functional.cross_entropy(model(_scaled(inputs)), targets).backward()
     torch.testing.assert_close(fisher["0.weight"], model[0].weight.grad.square())
+
+
+def _chunk(task: int, n: int = 32, width: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(task)
+    inputs = torch.randn(n, width, generator=g)
+    return TensorDataset(inputs, torch.randint(2 * task, 2 * task + 2, (n,), generator=g))
+
+
+def test_a_refused_offline_er_update_keeps_the_loss_weights() -> None:
+    learner = OfflineExperienceReplayLearner(
+        model=_mlp(),
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    for task in range(2):
+        learner.fit(_chunk(task))
+    memory_loss = learner.components["memory_loss"]
+    # Renate's dynamic weight of the second update: N_t / (N_t + N_M) = 32 / (32 + 16).
+    assert learner.loss_weight == pytest.approx(2 / 3)
+    assert memory_loss.weight == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="per-sample shape"):
+        learner.fit(_chunk(2, n=64, width=5))  # refused: inputs of another shape
+    assert learner.loss_weight == pytest.approx(2 / 3)
+    assert memory_loss.weight == pytest.approx(1 / 3)
