@@ -1970,7 +1970,8 @@ class GDumbLearner(JointLearner):
             raise ValueError(
                 f"`{type(self).__name__}.buffer` must be a GreedyClassBalancingBuffer (GDumb's "
                 f"class-balanced memory), got a {type(self.buffer).__name__}; leave buffer unset "
-                "(on the command line: --buffer greedy-class-balancing)"
+                "(ModelUpdater: buffer='greedy-class-balancing'; on the command line: --buffer "
+                "greedy-class-balancing)"
             )
         super().__attrs_post_init__()
 

@@ -517,7 +517,8 @@ class ModelUpdater:
         optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``, or a factory
             ``f(params)`` returning a ``torch.optim.Optimizer``; a fresh optimizer is made for
             every update (Renate's behaviour).
-        buffer: A name from :data:`BUFFERS` (used by learners with a memory).
+        buffer: A name from :data:`BUFFERS` (used by learners with a memory; ``"gdumb"``
+            needs ``"greedy-class-balancing"``, ``"icarl"`` ``"herding"``).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
         metadata: Anything JSON-able to keep in the manifest (the command line stores how to

@@ -105,3 +105,14 @@ def test_a_refused_offline_er_update_keeps_the_loss_weights() -> None:
         learner.fit(_chunk(2, n=64, width=5))  # refused: inputs of another shape
     assert learner.loss_weight == pytest.approx(2 / 3)
     assert memory_loss.weight == pytest.approx(1 / 3)
+
+
+def test_gdumb_with_another_buffer_says_what_to_pass_to_model_updater() -> None:
+    # ModelUpdater builds a reservoir unless told otherwise: "leave buffer unset" alone was no
+    # help to a user who had left it unset.
+    from renate_events.updater import ModelUpdater
+
+    with pytest.raises(ValueError, match="ModelUpdater: buffer='greedy-class-balancing'"):
+        ModelUpdater(model=_mlp(), learner="gdumb", learner_kwargs={"memory_size": 8}).update(
+            _chunk(0)
+        )
