@@ -150,6 +150,12 @@ class ElasticWeightConsolidationComponent(Component):
                 f"{type(self).__name__}.decay_factor must be set (a real number in (0, 1]) with "
                 "mode='online', got None"
             )
+        if self.mode != "online" and self.decay_factor is not None:
+            raise ValueError(
+                f"{type(self).__name__}.decay_factor acts only with mode='online' (the learner's "
+                f"ewc_mode='online'), got decay_factor={self.decay_factor!r} with mode="
+                f"{self.mode!r}; set the online mode or leave decay_factor unset"
+            )
 
     @property
     def has_fisher(self) -> bool:
