@@ -121,5 +121,5 @@ def test_gdumb_with_another_buffer_says_what_to_pass_to_model_updater() -> None:
 def test_ewc_refuses_a_decay_factor_it_would_ignore() -> None:
     # decay_factor acts only in online mode; in "separate" mode it was silently ignored
     # (Avalanche's EWCPlugin refuses the combination too).
-    with pytest.raises(ValueError, match="decay_factor.*ewc_mode='online'"):
+    with pytest.raises(ValueError, match=r"decay_factor.*ewc_mode='online'"):
         ElasticWeightConsolidationLearner(model=_mlp(), decay_factor=0.5)
