@@ -669,6 +669,12 @@ class ModelUpdater:
                 "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
                 "'val_loss' (and mode='min') or another validation metric"
             )
+        if self.buffer_storage == "mapped" and self.buffer not in _MAPPED_BUFFERS:
+            raise ValueError(
+                f"ModelUpdater: buffer_storage='mapped' has no {self.buffer!r} buffer; mapped "
+                f"buffers are {sorted(_MAPPED_BUFFERS)}: pick one of them or buffer_storage="
+                "'memory' (renate-events: --buffer-storage memory)"
+            )
 
     @classmethod
     def from_config(

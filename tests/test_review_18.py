@@ -123,3 +123,36 @@ def test_ewc_refuses_a_decay_factor_it_would_ignore() -> None:
     # (Avalanche's EWCPlugin refuses the combination too).
     with pytest.raises(ValueError, match=r"decay_factor.*ewc_mode='online'"):
         ElasticWeightConsolidationLearner(model=_mlp(), decay_factor=0.5)
+
+
+def test_a_mapped_herding_buffer_is_refused_in_one_line(tmp_path: Any, capsys: Any) -> None:
+    # There is no memory-mapped HerdingBuffer: ModelUpdater raised a KeyError when it made the
+    # buffer, and the command line printed a traceback (exit 1).
+    from renate_events.cli import main
+    from renate_events.updater import ModelUpdater
+
+    with pytest.raises(ValueError, match="buffer_storage='mapped'.*'herding'"):
+        ModelUpdater(
+            model=_mlp(),
+            learner="icarl",
+            buffer="herding",
+            buffer_storage="mapped",
+            learner_kwargs={"feature_modules": ["1"], "memory_size": 8},
+        )
+    config = tmp_path / "config.py"
+    config.write_text(
+        "import torch\n"
+        "def model_fn():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(16, 4))\n"
+        "def data_fn(chunk_id, seed):\n"
+        "    return torch.randn(16, 8), torch.arange(16) % 4\n"
+    )
+    status = main(
+        ["update", "--config-file", str(config), "--output-state", str(tmp_path / "state"),
+         "--learner", "icarl", "--feature-modules", '["1"]', "--memory-size", "8",
+         "--buffer-storage", "mapped", "--epochs", "1", "--no-progress"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "'herding'" in err, err
+    assert not (tmp_path / "state").exists()
