@@ -131,7 +131,7 @@ def test_a_mapped_herding_buffer_is_refused_in_one_line(tmp_path: Any, capsys: A
     from renate_events.cli import main
     from renate_events.updater import ModelUpdater
 
-    with pytest.raises(ValueError, match="buffer_storage='mapped'.*'herding'"):
+    with pytest.raises(ValueError, match=r"buffer_storage='mapped'.*'herding'"):
         ModelUpdater(
             model=_mlp(),
             learner="icarl",
