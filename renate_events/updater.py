@@ -669,6 +669,13 @@ class ModelUpdater:
                 "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
                 "'val_loss' (and mode='min') or another validation metric"
             )
+        if self.buffer == "herding" and self.learner != "icarl":
+            raise ValueError(
+                f"ModelUpdater: buffer='herding' is iCaRL's exemplar memory (chosen at the end of "
+                f"each update by learner='icarl'); learner={self.learner!r} only fills its free "
+                "slots, so the memory would stop changing once full: pick another buffer (e.g. "
+                "'reservoir')"
+            )
         if self.buffer_storage == "mapped" and self.buffer not in _MAPPED_BUFFERS:
             raise ValueError(
                 f"ModelUpdater: buffer_storage='mapped' has no {self.buffer!r} buffer; mapped "

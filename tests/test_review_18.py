@@ -156,3 +156,13 @@ def test_a_mapped_herding_buffer_is_refused_in_one_line(tmp_path: Any, capsys: A
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "'herding'" in err, err
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("learner", ["er", "offline-er", "der"])
+def test_the_herding_buffer_is_refused_for_learners_that_do_not_herd(learner: str) -> None:
+    # A HerdingBuffer's update only fills free slots: with any learner but iCaRL the memory
+    # froze after its first memory_size samples, silently.
+    from renate_events.updater import ModelUpdater
+
+    with pytest.raises(ValueError, match="herding"):
+        ModelUpdater(model=_mlp(), learner=learner, buffer="herding")
