@@ -111,8 +111,9 @@ def _training_options(p: argparse.ArgumentParser, *, later: bool) -> None:
     p.add_argument(
         "--buffer",
         choices=list(BUFFERS),
-        default=None,  # the learner's: greedy-class-balancing for gdumb, else reservoir
-        help="memory buffer type" + keeps % "reservoir; greedy-class-balancing for gdumb",
+        default=None,  # the learner's: greedy-class-balancing for gdumb, herding for icarl
+        help="memory buffer type"
+        + keeps % "reservoir; greedy-class-balancing for gdumb, herding for icarl",
     )
     p.add_argument(  # None: 200, or 0 for the memory-free learners (fine-tuning, ewc, ...)
         "--memory-size", type=int, default=None, help="buffer slots" + keeps % 200

@@ -1634,6 +1634,8 @@ class ElasticWeightConsolidationLearner(BaseExperienceReplayLearner):
                 mode=self.ewc_mode,
                 decay_factor=self.decay_factor,
                 loss_fn=self.loss_fn,
+                transform=self.train_transform,
+                target_transform=self.train_target_transform,
             )
         }
 
@@ -1712,8 +1714,16 @@ class OfflineExperienceReplayLearner(BaseExperienceReplayLearner):
         *,
         resume_from: str | os.PathLike[str] | None = None,
     ) -> FitResult:
+        memory_loss = self.components.get("memory_loss")
+        weights = (self.loss_weight, None if memory_loss is None else memory_loss.weight)
         self._set_weights(train_data)
-        return super().fit(train_data, val_data, resume_from=resume_from)
+        try:
+            return super().fit(train_data, val_data, resume_from=resume_from)
+        except BaseException:  # a refused or failed update leaves the weights as they were
+            self.loss_weight = weights[0]
+            if memory_loss is not None and weights[1] is not None:
+                memory_loss.weight = weights[1]
+            raise
 
     def _set_weights(self, train_data: Any) -> None:
         """``loss_weight = w`` and the memory loss's weight ``1 - w`` for this update."""
@@ -1977,7 +1987,8 @@ class GDumbLearner(JointLearner):
             raise ValueError(
                 f"`{type(self).__name__}.buffer` must be a GreedyClassBalancingBuffer (GDumb's "
                 f"class-balanced memory), got a {type(self.buffer).__name__}; leave buffer unset "
-                "(on the command line: --buffer greedy-class-balancing)"
+                "(ModelUpdater: buffer='greedy-class-balancing'; on the command line: --buffer "
+                "greedy-class-balancing)"
             )
         super().__attrs_post_init__()
 
@@ -2214,7 +2225,8 @@ class ICaRLLearner(BaseExperienceReplayLearner):
                 view = buffer.dataset()
                 exemplars = DataLoader(view, batch_size=self.batch_size, collate_fn=view.collate)
                 _, labels, features = self._embedded(model, exemplars)
-                classes = self._forward(to_device(inputs[:1], _model_device(model))).shape[-1]
+                probe = to_device(inputs[:1], _model_device(model))
+                classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
                 means, known = exemplar_means(features, labels, classes)
             except BaseException:
                 buffer.load_state_dict(saved)

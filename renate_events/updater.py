@@ -533,7 +533,8 @@ class ModelUpdater:
         optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``, or a factory
             ``f(params)`` returning a ``torch.optim.Optimizer``; a fresh optimizer is made for
             every update (Renate's behaviour).
-        buffer: A name from :data:`BUFFERS` (used by learners with a memory).
+        buffer: A name from :data:`BUFFERS` (used by learners with a memory; ``"gdumb"``
+            needs ``"greedy-class-balancing"``, ``"icarl"`` ``"herding"``).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
         metadata: Anything JSON-able to keep in the manifest (the command line stores how to
@@ -684,6 +685,19 @@ class ModelUpdater:
             raise ValueError(
                 "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
                 "'val_loss' (and mode='min') or another validation metric"
+            )
+        if self.buffer == "herding" and self.learner != "icarl":
+            raise ValueError(
+                f"ModelUpdater: buffer='herding' is iCaRL's exemplar memory (chosen at the end of "
+                f"each update by learner='icarl'); learner={self.learner!r} only fills its free "
+                "slots, so the memory would stop changing once full: pick another buffer (e.g. "
+                "'reservoir')"
+            )
+        if self.buffer_storage == "mapped" and self.buffer not in _MAPPED_BUFFERS:
+            raise ValueError(
+                f"ModelUpdater: buffer_storage='mapped' has no {self.buffer!r} buffer; mapped "
+                f"buffers are {sorted(_MAPPED_BUFFERS)}: pick one of them or buffer_storage="
+                "'memory' (renate-events: --buffer-storage memory)"
             )
 
     @classmethod
@@ -1087,12 +1101,6 @@ class ModelUpdater:
     def _make_buffer(self, memory_size: int, seed: int) -> DataBuffer:
         if self.buffer_storage == "memory":
             return BUFFERS[self.buffer](max_size=memory_size, seed=seed)
-        if self.buffer not in _MAPPED_BUFFERS:
-            raise ValueError(
-                f"ModelUpdater.buffer_storage='mapped' has no {self.buffer!r} buffer (mapped: "
-                f"{', '.join(sorted(_MAPPED_BUFFERS))}); pass buffer_storage='memory' "
-                "(renate-events --buffer-storage memory) or another buffer"
-            )
         folder = self.buffer_folder
         if folder is None:
             given = (self.output_state_folder, self.input_state_folder)

@@ -171,15 +171,14 @@ def test_gdumb_checks_raw_uint8_images_through_the_train_transform():
 
 
 def test_mapped_storage_without_a_mapped_herding_buffer_is_refused_naming_the_setting(tmp_path):
-    updater = ModelUpdater(
-        torch.nn.Linear(4, 3),
-        learner="icarl",
-        buffer="herding",
-        learner_kwargs={"memory_size": 6},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
-        buffer_storage="mapped",
-        output_state_folder=tmp_path / "out",
-    )
     with pytest.raises(ValueError, match=r"buffer_storage='mapped' has no 'herding' buffer"):
-        updater.learner_instance  # noqa: B018
+        ModelUpdater(
+            torch.nn.Linear(4, 3),
+            learner="icarl",
+            buffer="herding",
+            learner_kwargs={"memory_size": 6},
+            trainer_kwargs={"device": "cpu", "max_epochs": 1},
+            buffer_storage="mapped",
+            output_state_folder=tmp_path / "out",
+        )
     assert list(tmp_path.iterdir()) == []

@@ -30,13 +30,17 @@ def empirical_fisher(
     model: nn.Module,
     batches: Iterable[Any],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    transform: Callable[[Any], Any] | None = None,
+    target_transform: Callable[[Any], Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The diagonal empirical Fisher of ``model`` over ``batches`` of ``(inputs, targets)``.
 
     The per-batch approximation Avalanche's EWC uses: for every batch the gradient ``g`` of the
     batch's mean loss, and ``F = mean over batches of g ** 2`` (squares of batch gradients, not
     of per-sample gradients: one backward pass per batch). The model runs in eval mode (no
-    dropout, fixed batch-norm statistics) and gets its mode and its ``.grad`` back.
+    dropout, fixed batch-norm statistics) and gets its mode and its ``.grad`` back. ``transform``
+    and ``target_transform`` (a learner's ``train_transform`` and ``train_target_transform``)
+    are applied to each batch on the model's device, as the training step applies them.
 
     Raises:
         ValueError: No batch (the Fisher information of no data is undefined).
@@ -59,6 +63,10 @@ def empirical_fisher(
         for batch in batches:
             inputs, targets = batch
             inputs, targets = to_device(inputs, device), targets.to(device)
+            if transform is not None:
+                inputs = transform(inputs)
+            if target_transform is not None:
+                targets = target_transform(targets)
             model.zero_grad(set_to_none=True)
             loss = loss_fn(call_model(model, inputs), targets)
             (loss if loss.dim() == 0 else loss.mean()).backward()
@@ -100,6 +108,9 @@ class ElasticWeightConsolidationComponent(Component):
             (Schwarz et al. 2018: one decayed Fisher sum around the latest parameters).
         decay_factor: In ``(0, 1]``, the decay of the online Fisher sum; needed by ``"online"``.
         loss_fn: The loss whose gradients make the Fisher (``(outputs, targets) -> loss``).
+        transform: Applied to the inputs of the Fisher pass (the learner's ``train_transform``;
+            the trainer's loader gives raw batches).
+        target_transform: Applied to its targets (the learner's ``train_target_transform``).
 
     Example:
         >>> import torch
@@ -115,6 +126,12 @@ class ElasticWeightConsolidationComponent(Component):
     )
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = attrs.field(
         default=F.cross_entropy, validator=v.is_callable("(outputs, targets) -> loss")
+    )
+    transform: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(v.is_callable("f(inputs) -> inputs"))
+    )
+    target_transform: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(v.is_callable("f(targets) -> targets"))
     )
     _model: nn.Module | None = attrs.field(init=False, default=None)
     _loader: Any = attrs.field(init=False, default=None)
@@ -132,6 +149,12 @@ class ElasticWeightConsolidationComponent(Component):
             raise ValueError(
                 f"{type(self).__name__}.decay_factor must be set (a real number in (0, 1]) with "
                 "mode='online', got None"
+            )
+        if self.mode != "online" and self.decay_factor is not None:
+            raise ValueError(
+                f"{type(self).__name__}.decay_factor acts only with mode='online' (the learner's "
+                f"ewc_mode='online'), got decay_factor={self.decay_factor!r} with mode="
+                f"{self.mode!r}; set the online mode or leave decay_factor unset"
             )
 
     @property
@@ -163,7 +186,9 @@ class ElasticWeightConsolidationComponent(Component):
                 f"{type(self).__name__}: the update's training data is unknown; the component "
                 "computes the Fisher information from the trainer's train_loader"
             )
-        fisher = empirical_fisher(model, self._loader, self.loss_fn)
+        fisher = empirical_fisher(
+            model, self._loader, self.loss_fn, self.transform, self.target_transform
+        )
         anchor = {n: p.detach().clone() for n, p in model.named_parameters() if n in fisher}
         self._loader = None
         if self.mode == "online" and self._fishers:
