@@ -13,9 +13,11 @@ from renate_events.learners import (
     ElasticWeightConsolidationLearner,
     GDumbLearner,
     ICaRLLearner,
+    LearningWithoutForgettingLearner,
     OfflineExperienceReplayLearner,
 )
 from trainer import Trainer
+from trainer.exceptions import NonFiniteLossError
 
 
 def _scaled(x: torch.Tensor) -> torch.Tensor:
@@ -166,3 +168,23 @@ def test_the_herding_buffer_is_refused_for_learners_that_do_not_herd(learner: st
 
     with pytest.raises(ValueError, match="herding"):
         ModelUpdater(model=_mlp(), learner=learner, buffer="herding")
+
+
+@pytest.mark.parametrize("cls", [LearningWithoutForgettingLearner, ICaRLLearner])
+def test_a_first_update_that_fails_leaves_no_old_model_to_distil_from(cls: Any) -> None:
+    # The frozen copy's count of updates and the classes noted in the failed step survived a
+    # first update that failed before its first optimizer step, so the retried first update
+    # distilled from the untrained model over those classes.
+    kwargs = {"feature_modules": ["1"], "memory_size": 8, "memory_batch_size": 4}
+    learner = cls(
+        model=_mlp(),
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **(kwargs if cls is ICaRLLearner else {}),
+    )
+    (component,) = learner.components.values()
+    nan = TensorDataset(torch.full((16, 8), float("nan")), torch.arange(16) % 2)
+    with pytest.raises(NonFiniteLossError):
+        learner.fit(nan)
+    learner.fit(_chunk(0))
+    assert component._old_model is None and component._old_classes is None

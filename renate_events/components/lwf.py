@@ -65,15 +65,30 @@ class OldModelDistillation(Component):
     _seen: torch.Tensor | None = attrs.field(init=False, default=None)  # classes seen so far
     _old_classes: torch.Tensor | None = attrs.field(init=False, default=None)  # at train_start
     _updates: int = attrs.field(init=False, default=0)  # updates started
+    # What on_train_start replaced, until a batch went through (put back by on_exception).
+    _before: tuple[Any, ...] | None = attrs.field(init=False, default=None)
 
     def on_train_start(self, model: nn.Module) -> None:
         """Freeze a copy of the model as it is before this update (none before the first)."""
+        self._before = (self._updates, self._old_model, self._old_classes, self._seen)
         self._updates += 1
         if self._updates == 1:
             self._old_model, self._old_classes = None, None
             return
         self._old_model = self._frozen(model)
         self._old_classes = None if self._seen is None else self._seen.clone()
+
+    def on_train_batch_end(self, model: nn.Module) -> None:
+        """A batch went through: the update is under way and no longer undone on failure."""
+        self._before = None
+
+    def on_exception(self) -> None:
+        """An update that fails before its first batch went through leaves no trace: the count
+        of updates, the frozen copy and the classes are put back as they were before it (else
+        a retried first update would distil from the untrained model)."""
+        before, self._before = self._before, None
+        if before is not None:
+            self._updates, self._old_model, self._old_classes, self._seen = before
 
     @staticmethod
     def _frozen(model: nn.Module) -> nn.Module:
