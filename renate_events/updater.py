@@ -1939,16 +1939,20 @@ def _mapped_files(learner: BaseExperienceReplayLearner, which: str, folder: str)
     ``"snapshots_to"``) or reads (``"snapshots_from"``) its snapshot files in ``folder``; its
     file errors (a full disk, a file of the wrong size) come out as :class:`trainer.
     CheckpointError` (writing) or :class:`StateFolderError` (reading), not inside the trainer's
-    ``ListenerError``."""
+    ``ListenerError``. So does, reading, any listener refusing the state the folder's checkpoint
+    holds for it (a component's key out of range): the folder is bad, not the program."""
     buffer = getattr(learner, "buffer", None)
     with getattr(buffer, which)(folder) if isinstance(buffer, _MAPPED_TYPES) else nullcontext():
         try:
             yield
         except ListenerError as exc:
-            if not isinstance(exc.__cause__, MappedFileError):
+            cause = exc.__cause__
+            if isinstance(cause, MappedFileError):
+                error = CheckpointError if which == "snapshots_to" else StateFolderError
+                raise error(f"{folder}: {cause}") from exc
+            if which == "snapshots_to" or exc.event != "load_checkpoint":
                 raise
-            error = CheckpointError if which == "snapshots_to" else StateFolderError
-            raise error(f"{folder}: {exc.__cause__}") from exc
+            raise StateFolderError(f"{os.path.join(folder, _CHECKPOINT)}: {exc}") from exc
 
 
 _MAPPED_TYPES = tuple(_MAPPED_BUFFERS.values())

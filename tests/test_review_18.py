@@ -3,12 +3,18 @@ as a user would."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
+from renate_events.cli import main
 from renate_events.learners import (
     ElasticWeightConsolidationLearner,
     GDumbLearner,
@@ -188,3 +194,47 @@ def test_a_first_update_that_fails_leaves_no_old_model_to_distil_from(cls: Any) 
         learner.fit(nan)
     learner.fit(_chunk(0))
     assert component._old_model is None and component._old_classes is None
+
+
+def _edit_checkpoint_tree(state: Any, edit: Any) -> None:
+    """Rewrite ``state``'s learner.safetensors with ``edit(tree)`` applied, its checksums and the
+    manifest's made to match (a hand-crafted folder that every checksum vouches for)."""
+    path = state / "learner.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    tree = json.loads(metadata["tree"])
+    edit(tree)
+    metadata["tree"] = json.dumps(tree, separators=(",", ":"))
+    fields = [metadata[key] for key in ("format", "format_version", "tree")]
+    checksums = json.loads(metadata["checksums"])
+    checksums["tree"] = hashlib.sha256(
+        json.dumps(fields, separators=(",", ":")).encode()
+    ).hexdigest()
+    metadata["checksums"] = json.dumps(checksums, separators=(",", ":"))
+    save_file(tensors, str(path), metadata=metadata)
+    manifest = json.loads((state / "manifest.json").read_text())
+    manifest["files"]["learner.safetensors"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (state / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_component_refusing_the_state_folders_checkpoint_is_one_line(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # A listener refusing its state on load came out as the trainer's ListenerError: a
+    # traceback on the command line instead of an error naming the folder's file.
+    run = ["run", "--learner", "lwf", "--epochs", "1", "--no-progress"]
+    assert main([*run, "--output-dir", str(tmp_path / "run")]) == 0
+    state = tmp_path / "run" / "state" / "seed-0"
+    _edit_checkpoint_tree(state, lambda tree: tree["listeners"]["lwf"].update(updates=-1))
+    x = np.random.default_rng(0).random((16, 64), dtype=np.float32)
+    np.savez(tmp_path / "new.npz", inputs=x, targets=np.arange(16) % 2)
+    capsys.readouterr()
+    for argv in (
+        ["update", "--input-state", str(state), "--output-state", str(tmp_path / "out")],
+        ["evaluate", "--state", str(state)],
+    ):
+        assert main([*argv, "--data", str(tmp_path / "new.npz")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert str(state / "learner.safetensors") in line and "'updates' must be" in line
+    assert not (tmp_path / "out").exists()
