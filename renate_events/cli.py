@@ -58,6 +58,7 @@ from renate_events.updater import (
     UpdateInputError,
     check_config_file,
     dataset_tensors,
+    default_buffer,
     read_manifest,
     state_token,
 )
@@ -1374,7 +1375,7 @@ def _learner_settings(
         kwargs = dict(manifest["learner_kwargs"])
     else:
         learner = overrides.get("learner") or "der"
-        buffer = overrides.get("buffer") or _default_buffer(learner)
+        buffer = overrides.get("buffer") or default_buffer(learner)
         kwargs = {**_FIRST_UPDATE, "seed": overrides.get("seed", 0)}
         if learner in _NO_MEMORY:
             kwargs.pop("memory_size")
@@ -1389,12 +1390,6 @@ def _buffer_storage(overrides: Mapping[str, Any], manifest: Mapping[str, Any] | 
     """``--buffer-storage``, else the input state's (absent from its manifest: in memory)."""
     saved = "memory" if manifest is None else manifest.get("buffer_storage", "memory")
     return overrides.get("buffer_storage") or saved
-
-
-def _default_buffer(learner: str) -> str:
-    """GDumb fills a class-balanced memory (Prabhu et al. 2020), iCaRL herds exemplars (Rebuffi
-    et al. 2017); the others sample a reservoir."""
-    return {"gdumb": "greedy-class-balancing", "icarl": "herding"}.get(learner, "reservoir")
 
 
 def _feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module) -> None:
@@ -1736,7 +1731,7 @@ def _prepare_seed(
             learner=options.learner,
             learner_kwargs=learner_kwargs,
             optimizer=_optimizer_spec({"name": "adam", "lr": 1e-3}, _overrides(options)),
-            buffer=options.buffer or _default_buffer(options.learner),
+            buffer=options.buffer or default_buffer(options.learner),
             trainer_kwargs={
                 "max_epochs": options.epochs,
                 "device": options.device,
@@ -2310,7 +2305,7 @@ def _current_params(
         "epochs": trainer.get("max_epochs"),
         "learner": learner,
         "buffer": overrides.get("buffer")
-        or (manifest["buffer"] if manifest else _default_buffer(learner)),
+        or (manifest["buffer"] if manifest else default_buffer(learner)),
     }
     current = {name: known.get(name) for name in space}
     inside = all(

@@ -127,6 +127,7 @@ __all__ = [
     "UpdateInputError",
     "check_config_file",
     "dataset_tensors",
+    "default_buffer",
     "read_manifest",
     "state_token",
 ]
@@ -162,6 +163,20 @@ BUFFER_STORAGES = ("memory", "mapped")
 """Where :class:`ModelUpdater` keeps the buffer: ``"memory"`` (tensors, saved inside
 ``learner.safetensors``) or ``"mapped"`` (memory-mapped files, saved as files of the state folder:
 see :mod:`renate_events.memory.mapped` and the docs' "Buffers beyond RAM")."""
+
+
+def default_buffer(learner: str) -> str:
+    """The buffer ``learner`` gets when none is named: GDumb fills a class-balanced memory
+    (Prabhu et al. 2020), iCaRL herds exemplars (Rebuffi et al. 2017), the others sample a
+    reservoir.
+
+    Example:
+        >>> default_buffer("icarl"), default_buffer("der")
+        ('herding', 'reservoir')
+    """
+    return {"gdumb": "greedy-class-balancing", "icarl": "herding"}.get(learner, "reservoir")
+
+
 _MAPPED_BUFFERS: dict[str, type[DataBuffer]] = {
     "reservoir": MappedReservoirBuffer,
     "sliding-window": MappedSlidingWindowBuffer,
@@ -533,8 +548,10 @@ class ModelUpdater:
         optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``, or a factory
             ``f(params)`` returning a ``torch.optim.Optimizer``; a fresh optimizer is made for
             every update (Renate's behaviour).
-        buffer: A name from :data:`BUFFERS` (used by learners with a memory; ``"gdumb"``
-            needs ``"greedy-class-balancing"``, ``"icarl"`` ``"herding"``).
+        buffer: A name from :data:`BUFFERS` (used by learners with a memory); by default the
+            learner's (:func:`default_buffer`: ``"greedy-class-balancing"`` for ``"gdumb"``,
+            which needs it, ``"herding"`` for ``"icarl"``, which needs it, else
+            ``"reservoir"``).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
         metadata: Anything JSON-able to keep in the manifest (the command line stores how to
@@ -610,7 +627,10 @@ class ModelUpdater:
     optimizer: dict[str, Any] | Callable[..., torch.optim.Optimizer] = attrs.field(
         factory=lambda: {"name": "adam", "lr": 3e-4}, validator=_optimizer_config
     )
-    buffer: str = attrs.field(default="reservoir", validator=checks.one_of(*BUFFERS))
+    buffer: str = attrs.field(
+        default=attrs.Factory(lambda self: default_buffer(self.learner), takes_self=True),
+        validator=checks.one_of(*BUFFERS),
+    )
     trainer_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=_trainer_kwargs)
     metadata: dict[str, Any] = attrs.field(factory=dict, validator=_json_object)
     input_state_folder: str | os.PathLike[str] | None = attrs.field(default=None, validator=_folder)

@@ -121,9 +121,24 @@ def test_gdumb_with_another_buffer_says_what_to_pass_to_model_updater() -> None:
     from renate_events.updater import ModelUpdater
 
     with pytest.raises(ValueError, match="ModelUpdater: buffer='greedy-class-balancing'"):
-        ModelUpdater(model=_mlp(), learner="gdumb", learner_kwargs={"memory_size": 8}).update(
-            _chunk(0)
-        )
+        ModelUpdater(
+            model=_mlp(), learner="gdumb", buffer="reservoir", learner_kwargs={"memory_size": 8}
+        ).update(_chunk(0))
+
+
+@pytest.mark.parametrize("learner", ["gdumb", "icarl"])
+def test_model_updater_builds_the_buffer_the_learner_needs_when_none_is_named(learner: str) -> None:
+    # ModelUpdater's default buffer was always the reservoir, which GDumb and iCaRL refuse: a
+    # user had to know to name their buffer (the command line already picked it).
+    from renate_events.updater import ModelUpdater
+
+    kwargs = {"memory_size": 8, "memory_batch_size": 4}
+    if learner == "icarl":
+        kwargs["feature_modules"] = ["1"]
+    updater = ModelUpdater(
+        model=_mlp(), learner=learner, learner_kwargs=kwargs, trainer_kwargs={"device": "cpu"}
+    )
+    assert updater.update(_chunk(0)).steps > 0
 
 
 def test_ewc_refuses_a_decay_factor_it_would_ignore() -> None:
