@@ -192,3 +192,16 @@ class StatefulCounter:
     def on_load_checkpoint(self, checkpoint) -> None:
         self.count = checkpoint["count"]
         self.history = checkpoint["history"].clone()
+
+
+def one_line_cli_error(capsys: Any, argv: list[str], *words: str) -> str:
+    """Run ``renate-events argv`` in-process: exit 2 and one line on stderr holding ``words``."""
+    from renate_events.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    return err

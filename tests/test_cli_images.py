@@ -12,6 +12,7 @@ import torch
 
 from renate_events.cli import _IMAGE_DATA, _options, _parse, _resolved_model, _RunOptions, main
 from renate_events.scenarios import IMAGE_SCENARIOS
+from tests.helpers import one_line_cli_error
 from tests.test_cifar import write_cifar10, write_cifar100
 
 SLOW = pytest.mark.slow  # one ResNet-18 run (about 5 s on a shared CPU), shared by these tests
@@ -35,16 +36,6 @@ def resnet_run(cifar10, tmp_path_factory) -> pathlib.Path:
     argv = ["run", "--config", str(toml), "--data-dir", str(cifar10), "--output-dir", str(out)]
     assert main([*argv, *FAST]) == 0
     return out
-
-
-def _one_line_error(capsys, argv, *words) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word in err, err
-    return err
 
 
 @SLOW
@@ -100,10 +91,10 @@ def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, c
     assert main([*argv, "--data-dir", str(cifar10)]) == 0
     printed = capsys.readouterr().out
     assert "task 4: accuracy" in printed and "(2 samples)" in printed
-    _one_line_error(capsys, argv, "give --data-dir DIR")
-    _one_line_error(capsys, [*argv[:4], "split-digits"], "the samples have the shape (64,)")
+    one_line_cli_error(capsys, argv, "give --data-dir DIR")
+    one_line_cli_error(capsys, [*argv[:4], "split-digits"], "the samples have the shape (64,)")
     argv = ["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]
-    _one_line_error(capsys, [*argv, "--data-dir", str(cifar10)], "--scenario is not given")
+    one_line_cli_error(capsys, [*argv, "--data-dir", str(cifar10)], "--scenario is not given")
 
 
 @SLOW
@@ -113,7 +104,7 @@ def test_evaluate_refuses_a_scenario_whose_later_tasks_exceed_the_models_classes
     write_cifar100(tmp_path / "cifar-100-binary", per_class=1)  # task 0: labels 0..9, then more
     argv = ["evaluate", "--state", str(resnet_run / "state" / "seed-0"), "--scenario"]
     argv += ["seq-cifar100", "--data-dir", str(tmp_path)]
-    _one_line_error(capsys, argv, "the labels range over [10, 19]", "has 10 classes")
+    one_line_cli_error(capsys, argv, "the labels range over [10, 19]", "has 10 classes")
 
 
 def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
@@ -165,7 +156,7 @@ def test_the_default_models():
     ],
 )
 def test_bad_model_and_scenario_options(capsys, tmp_path, extra, words):
-    _one_line_error(capsys, ["run", *extra, "--output-dir", str(tmp_path / "o")], *words)
+    one_line_cli_error(capsys, ["run", *extra, "--output-dir", str(tmp_path / "o")], *words)
     assert not (tmp_path / "o").exists()
 
 
@@ -182,15 +173,15 @@ def test_bad_model_and_scenario_options(capsys, tmp_path, extra, words):
 )
 def test_bad_model_arguments_on_images(capsys, cifar10, tmp_path, extra, words):
     argv = ["run", "--scenario", "seq-cifar10", "--data-dir", str(cifar10), *extra]
-    _one_line_error(capsys, [*argv, "--output-dir", str(tmp_path / "o")], *words)
+    one_line_cli_error(capsys, [*argv, "--output-dir", str(tmp_path / "o")], *words)
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_or_corrupt_cifar_files(capsys, tmp_path):
     run = ["run", "--scenario", "seq-cifar10", "--output-dir", str(tmp_path / "o")]
-    _one_line_error(capsys, [*run, "--data-dir", str(tmp_path / "none")], "does not exist")
+    one_line_cli_error(capsys, [*run, "--data-dir", str(tmp_path / "none")], "does not exist")
     write_cifar100(tmp_path / "c100", per_class=1)  # CIFAR-100 files where CIFAR-10 ones belong
-    _one_line_error(
+    one_line_cli_error(
         capsys,
         [*run, "--data-dir", str(tmp_path / "c100")],
         "'data_batch_1.bin' not found",
@@ -198,7 +189,7 @@ def test_missing_or_corrupt_cifar_files(capsys, tmp_path):
     )
     write_cifar10(tmp_path / "c10", per_class=1, test_per_class=1)
     (tmp_path / "c10" / "data_batch_3.bin").write_bytes(bytes(3073 * 2 + 5))
-    _one_line_error(
+    one_line_cli_error(
         capsys,
         [*run, "--data-dir", str(tmp_path / "c10")],
         "data_batch_3.bin",
@@ -213,16 +204,16 @@ def test_a_later_update_keeps_the_architecture(resnet_run, tmp_path, capsys):
     data = _images_file(tmp_path / "d.safetensors", torch.zeros(4, 3, 32, 32, dtype=torch.uint8))
     update = ["update", "--input-state", str(state), "--data", str(data)]
     update += ["--output-state", str(tmp_path / "next"), "--no-progress"]
-    _one_line_error(capsys, [*update, "--model", "vit"], "--model vit", "holds a resnet18 model")
-    _one_line_error(capsys, [*update, "--model-args", "{nf = 8}"], "nf = 8", "with nf = 4")
+    one_line_cli_error(capsys, [*update, "--model", "vit"], "--model vit", "holds a resnet18 model")
+    one_line_cli_error(capsys, [*update, "--model-args", "{nf = 8}"], "nf = 8", "with nf = 4")
     floats = _images_file(tmp_path / "f.safetensors", torch.rand(4, 3, 32, 32))
-    _one_line_error(
+    one_line_cli_error(
         capsys,
         [*update[:3], "--data", str(floats), *update[5:]],
         "must be raw images, integers 0..255",
     )
     flat = _images_file(tmp_path / "flat.safetensors", torch.zeros(4, 64, dtype=torch.uint8))
-    _one_line_error(capsys, [*update[:3], "--data", str(flat), *update[5:]], "shape (64,)")
+    one_line_cli_error(capsys, [*update[:3], "--data", str(flat), *update[5:]], "shape (64,)")
     assert not (tmp_path / "next").exists()
 
 
@@ -247,4 +238,4 @@ def test_a_tampered_model_description_is_refused(resnet_run, tmp_path, capsys, c
     manifest["metadata"]["model"].update(change)  # nf 4096 would be terabytes, were it built
     (state / "manifest.json").write_text(json.dumps(manifest))
     data = _images_file(tmp_path / "d.safetensors", torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
-    _one_line_error(capsys, ["evaluate", "--state", str(state), "--data", str(data)], words)
+    one_line_cli_error(capsys, ["evaluate", "--state", str(state), "--data", str(data)], words)

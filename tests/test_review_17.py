@@ -12,20 +12,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events import ExperienceReplayLearner
-from renate_events.cli import main
 from renate_events.transforms import Normalize
 from renate_events.updater import ModelUpdater, UpdateInputError
+from tests.helpers import one_line_cli_error
 from trainer import Trainer
-
-
-def _one_line_error(capsys, argv, *words) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word in err, err
-    return err
 
 
 def test_a_data_file_whose_inputs_and_targets_differ_in_length_is_one_line(tmp_path, capsys):
@@ -33,7 +23,7 @@ def test_a_data_file_whose_inputs_and_targets_differ_in_length_is_one_line(tmp_p
     inputs = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
     safetensors.torch.save_file({"inputs": inputs, "targets": torch.arange(5)}, str(data))
     argv = ["evaluate", "--state", str(tmp_path / "state"), "--data", str(data)]
-    _one_line_error(capsys, argv, "same length", "6 and 5")
+    one_line_cli_error(capsys, argv, "same length", "6 and 5")
 
 
 def _learner(**transforms):
@@ -127,7 +117,7 @@ def test_a_mapped_buffer_file_failing_in_training_is_one_line_on_the_cli(
     argv = ["update", "--config-file", str(config), "--output-state", str(tmp_path / "out")]
     argv += ["--buffer-storage", "mapped", "--epochs", "1", "--memory-size", "8"]
     argv += ["--batch-size", "8", "--memory-batch-size", "4", "--device", "cpu", "--no-progress"]
-    _one_line_error(capsys, argv, "file-size limit")
+    one_line_cli_error(capsys, argv, "file-size limit")
     assert not (tmp_path / "out").exists()
 
 
