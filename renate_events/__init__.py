@@ -34,8 +34,9 @@ from renate_events.memory import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
+from renate_events.methods import LEARNERS
 from renate_events.scenarios import SCENARIOS, Task
-from renate_events.updater import LEARNERS, ModelUpdater
+from renate_events.updater import ModelUpdater
 
 __version__ = "0.1.0.dev0"
 

@@ -39,10 +39,10 @@ import attrs
 import torch
 
 from renate_events.config import ConfigError, ConfigFile, load_config
-from renate_events.evaluation import inference
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
-from renate_events.learners import ICaRLLearner
+from renate_events.inference import forward, inference, model_device, outputs_in_batches
 from renate_events.memory.mapped import MappedFileError
+from renate_events.methods import LEARNERS, METHODS, method, method_of
 from renate_events.models import MODELS, build_model
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.search import SearchSpaceError
@@ -50,7 +50,6 @@ from renate_events.shift import ShiftDetectionError
 from renate_events.updater import (
     BUFFER_STORAGES,
     BUFFERS,
-    LEARNERS,
     OPTIMIZERS,
     ModelUpdater,
     StagedStateFolder,
@@ -1356,8 +1355,6 @@ def _check_same_model(options: _UpdateOptions, spec: Mapping[str, Any], folder: 
 _TRAINING = ("learner", "buffer", "memory_size", "epochs", "lr", "batch_size", "memory_batch_size")
 _OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
 _FIRST_UPDATE = {"memory_size": 200, "batch_size": 32, "memory_batch_size": 32}
-_NO_MEMORY = ("fine-tuning", "joint", "ewc", "lwf")  # memory-free unless --memory-size is given
-_DISTILLING = ("pod-er", "super-er")  # learners that need feature_modules
 
 
 def _load_config_file(path: str) -> ConfigFile:
@@ -1377,7 +1374,7 @@ def _learner_settings(
         learner = overrides.get("learner") or "der"
         buffer = overrides.get("buffer") or default_buffer(learner)
         kwargs = {**_FIRST_UPDATE, "seed": overrides.get("seed", 0)}
-        if learner in _NO_MEMORY:
+        if not method(learner).uses_memory:
             kwargs.pop("memory_size")
     for name in _FIRST_UPDATE:
         if overrides.get(name) is not None:
@@ -1394,7 +1391,7 @@ def _buffer_storage(overrides: Mapping[str, Any], manifest: Mapping[str, Any] | 
 
 def _feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module) -> None:
     """Distilling learners on a zoo model distil its feature modules unless told otherwise."""
-    if learner not in _DISTILLING or "feature_modules" in kwargs:
+    if method(learner).features != "hidden" or "feature_modules" in kwargs:
         return
     names = getattr(model, "feature_module_names", None)
     if not names:
@@ -1570,9 +1567,7 @@ def _metric_means(
     """The mean of each ``metrics_fn`` metric over ``data`` (one synchronisation per metric)."""
     if not metrics:
         return {}
-    from renate_events.learners import forward
-
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     inputs, targets = data.tensors
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics}
     with inference(model):
@@ -1605,7 +1600,7 @@ def _run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     config = _run_config_file(options)
     if config is None:
         options = _resolved_model(options)
-    if config is None and options.learner in _DISTILLING and options.hidden == []:
+    if config is None and method(options.learner).features == "hidden" and options.hidden == []:
         raise UsageError(f"--learner {options.learner} distils hidden layers: give --hidden sizes")
     # Under `torchrun --nproc_per_node=N`: data-parallel training over N processes; rank zero
     # prints and writes the results. State folders are not written (their staging folders are
@@ -1716,12 +1711,13 @@ def _prepare_seed(
         "batch_size": options.batch_size,
         "seed": seed,
     }
-    if options.learner in _NO_MEMORY and options.memory_size is None:
+    method_spec = method(options.learner)
+    if not method_spec.uses_memory and options.memory_size is None:
         learner_kwargs.pop("memory_size")
-    if options.learner in _DISTILLING and spec["kind"] == "mlp":  # the hidden layers' outputs
+    if method_spec.features == "hidden" and spec["kind"] == "mlp":  # the hidden layers' outputs
         learner_kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(spec["hidden"]))]
-    if options.learner == "icarl" and spec["kind"] == "mlp" and spec["hidden"]:
-        # iCaRL's feature: the last hidden layer (a zoo model's: its backbone)
+    if method_spec.features == "last-hidden" and spec["kind"] == "mlp" and spec["hidden"]:
+        # an embedding: the last hidden layer (a zoo model's: its backbone)
         learner_kwargs["feature_modules"] = [str(2 * len(spec["hidden"]) - 1)]
     learner_kwargs.update(hyper)
     _feature_modules(options.learner, learner_kwargs, model)  # a zoo model's feature modules
@@ -1772,15 +1768,10 @@ def _train_seed(options: _RunOptions, plan: _Seed) -> dict[str, Any]:
 
 def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
     """The model's class-incremental predictions on every task's test set, one after another."""
-    from renate_events.learners import forward
-
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     predicted = []
     with inference(model):
         for task in tasks:
-            inputs = task.test.tensors[0]
-            for start in range(0, len(inputs), 256):
-                logits = forward(model, inputs[start : start + 256].to(device))
+            for logits in outputs_in_batches(model, task.test.tensors[0]):
                 predicted.append(logits.argmax(dim=-1).cpu())
     return torch.cat(predicted)
 
@@ -2481,13 +2472,16 @@ def _evaluate_from_config(options: _EvaluateOptions) -> int:
 
 
 def _classifier(learner: Any, classifier: str, state: str) -> torch.nn.Module:
-    """The learner's model (``logits``) or iCaRL's nearest-mean-of-exemplars classifier."""
+    """The learner's model (``logits``) or its nearest-mean-of-exemplars classifier (``nme``,
+    for the methods whose spec names that classifier)."""
     if classifier == "logits":
         return learner.model
-    if not isinstance(learner, ICaRLLearner):
+    spec = method_of(learner)
+    if spec is None or spec.classifier != "nme":
+        names = sorted(name for name, other in METHODS.items() if other.classifier == "nme")
         raise UsageError(
-            f"--classifier nme needs a state folder of --learner icarl; {state} holds a "
-            f"{type(learner).__name__}"
+            f"--classifier nme needs a state folder of --learner {' or '.join(names)}; {state} "
+            f"holds a {type(learner).__name__}"
         )
     try:
         return learner.nme_classifier()
@@ -2496,12 +2490,17 @@ def _classifier(learner: Any, classifier: str, state: str) -> torch.nn.Module:
 
 
 def _run_classifier(plan: Any) -> torch.nn.Module:
-    """What ``run`` evaluates after an update: iCaRL's nearest-mean-of-exemplars classifier
-    for an iCaRL learner (with the config file's test transform, if any), else the model."""
+    """What ``run`` evaluates after an update: the method's own classifier (the nearest mean of
+    exemplars for an ``nme`` method once it has class means, with the config file's test
+    transform, if any), else the model."""
     learner = plan.updater.learner_instance
-    if not isinstance(learner, ICaRLLearner) or learner.class_means is None:
+    spec = method_of(learner)
+    if spec is None or spec.classifier != "nme":
         return plan.evaluated
-    nme = learner.nme_classifier()
+    try:
+        nme = learner.nme_classifier()
+    except ValueError:  # no class means yet: nothing was trained
+        return plan.evaluated
     evaluated = plan.evaluated
     return _Transformed(nme, evaluated.transform) if isinstance(evaluated, _Transformed) else nme
 

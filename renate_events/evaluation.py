@@ -39,8 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import math
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,7 +49,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.learners import _takes_task_id, forward
+from renate_events.inference import forward, inference, model_device, takes_task_id
 from trainer import validators
 from trainer.data import to_device
 
@@ -153,27 +151,12 @@ def evaluate(
         ]
 
 
-@contextlib.contextmanager
-def inference(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in eval mode without gradients, then give every submodule back the
-    train/eval mode it had (also when the block raises)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
     if device is not None:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"evaluate: device must be a str or torch.device, got {device!r}")
         return torch.device(device)
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return first.device if first is not None else torch.device("cpu")
+    return model_device(model)
 
 
 def _accuracy(
@@ -185,7 +168,7 @@ def _accuracy(
     total = 0
     allowed: torch.Tensor | None = None
     # Task-incremental: through the task's own head, when the model takes a task id.
-    head = task_id if mode == "task-incremental" and _takes_task_id(model) else None
+    head = task_id if mode == "task-incremental" and takes_task_id(model) else None
     for inputs, targets in _batches(task.test, batch_size, name):
         targets = targets.to(device)
         logits = forward(model, to_device(inputs, device), head)
@@ -214,7 +197,7 @@ def _accuracy(
 def _check_heads(model: nn.Module, tasks: Sequence[Any]) -> None:
     """A multi-head model needs a head for every task it is evaluated on (task-incremental)."""
     heads = getattr(model, "task_ids", None)
-    if not (_takes_task_id(model) and isinstance(heads, tuple)):
+    if not (takes_task_id(model) and isinstance(heads, tuple)):
         return
     ids = [getattr(task, "task_id", index) for index, task in enumerate(tasks)]
     missing = [task_id for task_id in ids if task_id not in heads]

@@ -1,7 +1,7 @@
 """The typed schema of every learner's hyperparameters, for the command line, TOML files and
 searches.
 
-A hyperparameter is a JSON-able argument of a learner in :data:`~renate_events.updater.LEARNERS`
+A hyperparameter is a JSON-able argument of a learner in :data:`~renate_events.methods.LEARNERS`
 that :class:`~renate_events.updater.ModelUpdater` passes through ``learner_kwargs`` (``alpha``,
 ``memory_size``, ``feature_modules``, ...). Its kind comes from the learner's attrs field
 annotation; its range is checked by the learner itself when it is built.
@@ -64,11 +64,11 @@ class Hyperparameter:
 @functools.cache
 def hyperparameters(learner: str) -> dict[str, Hyperparameter]:
     """The hyperparameters of the learner named ``learner`` in ``LEARNERS``, by name."""
-    from renate_events.updater import LEARNERS, _learner_arguments
+    from renate_events.methods import method  # the methods' modules build on this one
 
-    validators.check_one_of("learner", learner, sorted(LEARNERS))
-    learner_class = LEARNERS[learner]
-    names = _learner_arguments(learner_class)
+    spec = method(learner)
+    learner_class = spec.learner
+    names = spec.arguments()
     schema = {}
     for field in attrs.fields(learner_class):
         if field.alias in names and field.type in KINDS:

@@ -10,7 +10,6 @@ components.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple, cast
@@ -33,12 +32,12 @@ from renate_events.components import (
     WeightedCustomLossComponent,
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
-    call_model,
     check_class_means,
     copy_without_hooks,
     exemplar_means,
     module_features,
 )
+from renate_events.inference import forward, inference, model_device, takes_task_id
 from renate_events.memory import (
     BufferDataset,
     DataBuffer,
@@ -76,29 +75,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 BUFFER_FILLINGS = ("step", "end")
 """The values of the learners' ``buffer_filling``: offer each trained batch to the buffer after
 its step, or the whole update's data at its end with the final model's logits."""
-
-
-def forward(model: nn.Module, inputs: Any, task_id: Any = None) -> torch.Tensor:
-    """Call ``model`` on inputs: ``model(x)``, ``model(*x)`` for a tuple/list, ``model(**x)`` for
-    a dict (the same convention the CLS component uses for its model copies).
-
-    A ``task_id`` that is not None (an int, or an ``int64`` tensor of one id per sample) is passed
-    as the keyword ``task_id``, Renate's ``RenateModule.forward(x, task_id)``:
-    ``model(x, task_id=ids)``.
-    """
-    if task_id is None:
-        return cast(torch.Tensor, call_model(model, inputs))
-    return cast(torch.Tensor, call_model(model, inputs, task_id=task_id))
-
-
-def _takes_task_id(model: nn.Module) -> bool:
-    """Whether ``model.forward`` declares a ``task_id`` parameter (as Renate's
-    ``RenateModule.forward(x, task_id)`` and :class:`MultiHeadClassificationModel` do)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return False
-    return "task_id" in parameters
 
 
 def _check_task_ids(task_ids: Any, size: int, where: str) -> None:
@@ -155,11 +131,6 @@ def _stackable(inputs: torch.Tensor, inputs_memory: Any) -> bool:
         and inputs_memory.device == inputs.device
         and inputs_memory.shape[1:] == inputs.shape[1:]
     )
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def _derived_seed(seed: int, stream: int) -> int:
@@ -737,7 +708,7 @@ class BaseExperienceReplayLearner:
         self.model.eval()
         try:
             with torch.no_grad():
-                probe = inputs[:1].to(_model_device(self.model))
+                probe = inputs[:1].to(model_device(self.model))
                 with self._rng_kept(probe):
                     probe = self._transformed("train_transform", probe, 1)
                 classes = self._probe_classes(probe, task_ids)
@@ -749,7 +720,7 @@ class BaseExperienceReplayLearner:
                 continue
             labels, what = targets, "the training labels"
             if getattr(self, name) is not None:
-                on_device = targets.to(_model_device(self.model))  # where the transform runs
+                on_device = targets.to(model_device(self.model))  # where the transform runs
                 with self._rng_kept(on_device):
                     labels = self._transformed(name, on_device, len(targets))
                 what = f"the training labels through {name}"
@@ -773,7 +744,7 @@ class BaseExperienceReplayLearner:
         model, first = self.model, int(task_ids[0])
         if isinstance(model, MultiHeadClassificationModel) and str(first) not in model.heads:
             return cast(int, model.num_outputs)
-        return self._forward(probe, task_ids[:1].to(_model_device(model))).shape[-1]
+        return self._forward(probe, task_ids[:1].to(model_device(model))).shape[-1]
 
     def _check_task_data(self, task_ids: torch.Tensor | None, size: int) -> None:
         """Task ids of a dataset (or their absence) against the model, the components, the
@@ -789,7 +760,7 @@ class BaseExperienceReplayLearner:
             return
         name = f"{type(self).__name__}.fit: the training data's task ids (third tensor)"
         _check_task_ids(task_ids, size, name)
-        if not _takes_task_id(self.model):
+        if not takes_task_id(self.model):
             raise ValueError(
                 f"{name}: the model's forward takes no task_id argument, so the ids cannot "
                 "reach it; use renate_events.models.MultiHeadClassificationModel (or a forward(x, "
@@ -1273,9 +1244,8 @@ class BaseExperienceReplayLearner:
     def _fill_buffer(self, model: nn.Module, buffer: DataBuffer, data: Any) -> None:
         """Offer every raw sample of ``data`` to ``buffer``, in order, with ``model``'s logits
         (eval mode, no gradients, inputs through ``test_transform``) and recorded features."""
-        from renate_events.evaluation import inference  # imports this module: not at the top
 
-        device = _model_device(model)
+        device = model_device(model)
         with inference(model):
             for batch in self._loader(data, shuffle=False):
                 inputs, targets, task_ids = _unpack_task(batch)
@@ -1947,10 +1917,9 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
         or interrupted distillation)."""
         if self._failed:
             return
-        from renate_events.evaluation import inference  # imports this module: not at the top
 
         buffer = cast(DataBuffer, self.buffer)
-        device, start = _model_device(model), 0
+        device, start = model_device(model), 0
         with inference(model):
             for inputs, targets in _buffer_loader(buffer.dataset(), self._new_batch_size, False):
                 shown = self._transformed("test_transform", to_device(inputs, device), len(targets))
@@ -2001,7 +1970,7 @@ class GDumbLearner(JointLearner):
         self.model.eval()
         try:
             with torch.no_grad():
-                probe = tensors[0][:1].to(_model_device(self.model))
+                probe = tensors[0][:1].to(model_device(self.model))
                 with self._rng_kept(probe):  # the model's input, as in training
                     probe = self._transformed("train_transform", probe, 1)
                 classes = self._forward(probe).shape[-1]
@@ -2141,10 +2110,9 @@ class ICaRLLearner(BaseExperienceReplayLearner):
         tensors = getattr(data, "tensors", None)
         if not isinstance(tensors, tuple) or len(tensors) != 2 or not len(data):
             return
-        from renate_events.evaluation import inference  # evaluation imports this module
 
         with inference(self.model):
-            probe = tensors[0][:1].to(_model_device(self.model))
+            probe = tensors[0][:1].to(model_device(self.model))
             classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
         if self.memory_size < classes:
             raise ValueError(
@@ -2178,7 +2146,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
                 f"{type(self).__name__}.nme_classifier: no class means yet; they are computed "
                 "at the end of each update (call fit first)"
             )
-        device = _model_device(self.model)
+        device = model_device(self.model)
         return NearestMeanOfExemplarsClassifier(
             self.model,
             self._feature_module,
@@ -2215,7 +2183,6 @@ class ICaRLLearner(BaseExperienceReplayLearner):
         buffer, data = cast(HerdingBuffer, self.buffer), self._herding_data
         if data is None:
             return
-        from renate_events.evaluation import inference  # evaluation imports this module
 
         with inference(model):
             inputs, targets, features = self._embedded(model, self._loader(data, shuffle=False))
@@ -2225,7 +2192,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
                 view = buffer.dataset()
                 exemplars = DataLoader(view, batch_size=self.batch_size, collate_fn=view.collate)
                 _, labels, features = self._embedded(model, exemplars)
-                probe = to_device(inputs[:1], _model_device(model))
+                probe = to_device(inputs[:1], model_device(model))
                 classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
                 means, known = exemplar_means(features, labels, classes)
             except BaseException:
@@ -2238,7 +2205,7 @@ class ICaRLLearner(BaseExperienceReplayLearner):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The raw inputs, the targets and the features (through ``test_transform``) of every
         batch, concatenated."""
-        device = _model_device(model)
+        device = model_device(model)
         inputs, targets, features = [], [], []
         for batch in batches:
             raw, labels = _unpack(batch)

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from renate_events.inference import inference
 from trainer import validators
 from trainer.data import to_device
 
@@ -271,8 +272,6 @@ class ShiftDetectorWithFeatureExtractor(ShiftDetector):
     def _extract(self, inputs: Any) -> torch.Tensor:
         if self.feature_extractor is None:
             return super()._extract(inputs)
-        from renate_events.evaluation import inference
-
         with inference(self.feature_extractor):
             features = self.feature_extractor(to_device(inputs, torch.device(self.device)))
         return features.reshape(len(features), -1).double()

@@ -67,23 +67,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from renate_events.config import ConfigFile, load_config
+from renate_events.inference import forward, model_device, takes_task_id
 from renate_events.learners import (
     BaseExperienceReplayLearner,
-    CLSExperienceReplayLearner,
-    DarkExperienceReplayLearner,
-    ElasticWeightConsolidationLearner,
-    ExperienceReplayLearner,
-    FineTuningLearner,
-    GDumbLearner,
-    ICaRLLearner,
-    JointLearner,
-    LearningWithoutForgettingLearner,
-    OfflineExperienceReplayLearner,
-    PooledOutputDistillationExperienceReplayLearner,
-    RepeatedDistillationLearner,
-    SuperExperienceReplayLearner,
-    _takes_task_id,
-    forward,
 )
 from renate_events.memory import (
     DataBuffer,
@@ -99,6 +85,7 @@ from renate_events.memory.mapped import (
     MappedReservoirBuffer,
     MappedSlidingWindowBuffer,
 )
+from renate_events.methods import LEARNERS, METHODS, learner_arguments, method
 from trainer import CheckpointError, FitResult, Trainer
 from trainer import validators as checks
 from trainer.data import to_device
@@ -116,7 +103,6 @@ from trainer.listeners import EarlyStopping
 __all__ = [
     "BUFFERS",
     "BUFFER_STORAGES",
-    "LEARNERS",
     "OPTIMIZERS",
     "TRANSFORMS",
     "ModelUpdater",
@@ -131,24 +117,6 @@ __all__ = [
     "read_manifest",
     "state_token",
 ]
-
-LEARNERS: dict[str, type[BaseExperienceReplayLearner]] = {
-    "fine-tuning": FineTuningLearner,
-    "er": ExperienceReplayLearner,
-    "der": DarkExperienceReplayLearner,
-    "pod-er": PooledOutputDistillationExperienceReplayLearner,
-    "cls-er": CLSExperienceReplayLearner,
-    "super-er": SuperExperienceReplayLearner,
-    "joint": JointLearner,
-    "ewc": ElasticWeightConsolidationLearner,
-    "lwf": LearningWithoutForgettingLearner,
-    "offline-er": OfflineExperienceReplayLearner,
-    "gdumb": GDumbLearner,
-    "icarl": ICaRLLearner,
-    "repeated-distill": RepeatedDistillationLearner,
-}
-"""Learner names for :class:`ModelUpdater` and the command line. ``"der"`` is
-:class:`DarkExperienceReplayLearner` with Renate's defaults (DER++); pass ``beta=0`` for DER."""
 
 BUFFERS: dict[str, type[DataBuffer]] = {
     "reservoir": ReservoirBuffer,
@@ -166,15 +134,14 @@ see :mod:`renate_events.memory.mapped` and the docs' "Buffers beyond RAM")."""
 
 
 def default_buffer(learner: str) -> str:
-    """The buffer ``learner`` gets when none is named: GDumb fills a class-balanced memory
-    (Prabhu et al. 2020), iCaRL herds exemplars (Rebuffi et al. 2017), the others sample a
-    reservoir.
+    """The buffer ``learner`` gets when none is named: its method spec's ``default_buffer``.
 
     Example:
         >>> default_buffer("icarl"), default_buffer("der")
         ('herding', 'reservoir')
     """
-    return {"gdumb": "greedy-class-balancing", "icarl": "herding"}.get(learner, "reservoir")
+    spec = METHODS.get(learner)  # an unknown name is the learner field's error, not this one's
+    return "reservoir" if spec is None else spec.default_buffer
 
 
 _MAPPED_BUFFERS: dict[str, type[DataBuffer]] = {
@@ -229,18 +196,6 @@ TRANSFORMS = (
 )
 """The transform arguments of :class:`ModelUpdater` (Renate's names), passed to the learner."""
 _CALLABLES = ("loss_fn", "learning_rate_scheduler", "collate_fn", *TRANSFORMS)
-_SET_BY_THE_UPDATER = frozenset(
-    (
-        "model",
-        "optimizer",
-        "trainer",
-        "buffer",
-        "metrics",
-        "components",
-        "learning_rate_scheduler_interval",
-        *_CALLABLES,
-    )
-)
 _STRUCTURAL = ("memory_size", "feature_modules")  # learner_kwargs that shape the stored state
 _VALIDATION_MEMORY = "validation_memory"  # the listener's name in the learner's checkpoint
 _T = TypeVar("_T")
@@ -283,11 +238,6 @@ def _json_object(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> 
         ) from None
 
 
-def _learner_arguments(learner: type[BaseExperienceReplayLearner]) -> frozenset[str]:
-    init = {field.alias for field in attrs.fields(learner) if field.init}
-    return frozenset(init - _SET_BY_THE_UPDATER)
-
-
 def _trainer_arguments() -> frozenset[str]:
     return frozenset(inspect.signature(Trainer).parameters)
 
@@ -301,7 +251,7 @@ def _unknown_keys(name: str, given: Mapping[str, Any], known: frozenset[str]) ->
 def _learner_kwargs(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     _json_object(instance, attribute, value)
     if instance.learner in LEARNERS:
-        known = _learner_arguments(LEARNERS[instance.learner])
+        known = learner_arguments(LEARNERS[instance.learner])
         _unknown_keys(checks.field_name(instance, attribute), value, known)
 
 
@@ -541,7 +491,7 @@ class ModelUpdater:
 
     Args:
         model: The model to update; its architecture must match the input state folder's.
-        learner: A name from :data:`LEARNERS`.
+        learner: A name from :data:`renate_events.methods.LEARNERS`.
         learner_kwargs: Keyword arguments of the learner (JSON-able: ``memory_size``,
             ``alpha``, ``batch_size``, ``seed``, ...). A later update may change them, except
             ``memory_size`` and ``feature_modules`` (they shape the stored buffer).
@@ -706,12 +656,13 @@ class ModelUpdater:
                 "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
                 "'val_loss' (and mode='min') or another validation metric"
             )
-        if self.buffer == "herding" and self.learner != "icarl":
+        spec = method(self.learner)
+        if self.buffer not in spec.buffers:
             raise ValueError(
-                f"ModelUpdater: buffer='herding' is iCaRL's exemplar memory (chosen at the end of "
-                f"each update by learner='icarl'); learner={self.learner!r} only fills its free "
-                "slots, so the memory would stop changing once full: pick another buffer (e.g. "
-                "'reservoir')"
+                f"ModelUpdater: learner={self.learner!r} cannot use buffer={self.buffer!r}: its "
+                f"buffers are {list(spec.buffers)}; use ModelUpdater: buffer="
+                f"{spec.default_buffer!r} (its default: leave buffer unset; on the command line: "
+                f"--buffer {spec.default_buffer})"
             )
         if self.buffer_storage == "mapped" and self.buffer not in _MAPPED_BUFFERS:
             raise ValueError(
@@ -875,7 +826,7 @@ class ModelUpdater:
                 f"{what}: its samples are {_shown(signature)}, but the state was trained on "
                 f"samples of {_shown(earlier[-1])}; give data of the same shape and dtype"
             )
-        if task_ids is not None or _takes_task_id(learner.model):
+        if task_ids is not None or takes_task_id(learner.model):
             # Task ids (or their absence) first: the learner checks them against the model, the
             # heads (fit adds those of new ids) and the buffer, and the labels.
             self._check_data(learner, data, what)
@@ -915,7 +866,7 @@ class ModelUpdater:
 
     def _forward_probe(self, model: nn.Module, inputs: Any, what: str) -> torch.Tensor:
         transform = self.transforms.get("train_transform")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = model_device(model)
         try:
             batch = to_device(inputs, device)
             if transform is not None:
@@ -1085,11 +1036,12 @@ class ModelUpdater:
 
     def _make_learner(self) -> BaseExperienceReplayLearner:
         kwargs = dict(self.learner_kwargs)
-        learner_class = LEARNERS[self.learner]
+        spec = method(self.learner)
+        learner_class = spec.learner
         fields = attrs.fields_dict(learner_class)
         memory_size = kwargs.get("memory_size", fields["memory_size"].default)
         checks.check_int("ModelUpdater.learner_kwargs['memory_size']", memory_size, 0)
-        if memory_size > 0 and learner_class is not JointLearner:
+        if memory_size > 0 and not spec.own_buffer:
             kwargs["buffer"] = self._make_buffer(memory_size, kwargs.get("seed", 0))
         given = {
             "loss_fn": self.loss_fn,
@@ -1658,7 +1610,7 @@ def _check_learner(key: str, manifest: dict[str, Any]) -> None:
         checks.check_one_of(f"{key} 'buffer_storage'", manifest["buffer_storage"], ["mapped"])
     for name in ("learner_kwargs", "optimizer", "trainer", "metadata"):
         _check_dict(f"{key} {name!r}", manifest[name])
-    known = _learner_arguments(LEARNERS[manifest["learner"]])
+    known = learner_arguments(LEARNERS[manifest["learner"]])
     _unknown_keys(f"{key} 'learner_kwargs'", manifest["learner_kwargs"], known)
     _unknown_keys(f"{key} 'trainer'", manifest["trainer"], _trainer_arguments())
     optimizer = manifest["optimizer"]

@@ -261,7 +261,7 @@ def test_validation_memory_keeps_earlier_updates_validation_data(tmp_path):
     recorder = _Recorder(second.model)
     second.learner_instance.trainer.subscribe(recorder)
     second.update(_data(seed=2), _data(n=6, seed=3))
-    from renate_events.learners import forward
+    from renate_events.inference import forward
 
     both = TensorDataset(*(torch.cat(p) for p in zip(_data(10, 1).tensors, _data(6, 3).tensors)))
     # the last validation ran on the weights after the last epoch, on old and new data together

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
-from renate_events.updater import LEARNERS
+from renate_events.methods import LEARNERS
 
 
 @pytest.mark.parametrize("learner", sorted(LEARNERS))

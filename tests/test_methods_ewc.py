@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 from renate_events.components import ElasticWeightConsolidationComponent, empirical_fisher
 from renate_events.learners import ElasticWeightConsolidationLearner
-from renate_events.updater import LEARNERS
+from renate_events.methods import LEARNERS
 from trainer import Trainer
 
 

@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from renate_events.components import LearningWithoutForgettingComponent, distillation_loss
 from renate_events.learners import LearningWithoutForgettingLearner
-from renate_events.updater import LEARNERS
+from renate_events.methods import LEARNERS
 from trainer import Trainer
 
 

@@ -15,7 +15,8 @@ from renate_events.learners import (
     _DistillationData,
     double_distillation_loss,
 )
-from renate_events.updater import LEARNERS, ModelUpdater
+from renate_events.methods import LEARNERS
+from renate_events.updater import ModelUpdater
 from tests.helpers import assert_same_tree, parameters_of
 from trainer import Trainer, read_checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 
 from renate_events import cli
 from renate_events.cli import main
-from renate_events.updater import LEARNERS
+from renate_events.methods import LEARNERS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "examples" / "recipes").glob("*.toml"))

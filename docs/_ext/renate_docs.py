@@ -7,7 +7,7 @@
   read from the command's own ``argparse`` parser.
 * ``.. learner-arguments::`` — the arguments every learner shares, with defaults and meaning.
 * ``.. public-names:: trainer.listeners`` — the public names of a module with their summaries.
-* ``.. learner-presets::`` — every learner of :data:`renate_events.updater.LEARNERS`: its own
+* ``.. learner-presets::`` — every learner of :data:`renate_events.methods.LEARNERS`: its own
   arguments with their defaults and the components it builds, in order.
 """
 
@@ -195,7 +195,7 @@ def _preset_rows() -> list[list[str]]:
     import torch
 
     from renate_events.learners import BaseExperienceReplayLearner
-    from renate_events.updater import LEARNERS
+    from renate_events.methods import LEARNERS
     from trainer import Trainer
 
     base_fields = {f.name: f for f in attrs.fields(BaseExperienceReplayLearner)}

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from renate_events.components import _rng
-from renate_events.components.component import BatchMemory, Inputs, _real_from
+from renate_events.components.component import BatchMemory, _real_from
 from renate_events.components.features import copy_without_hooks
 from renate_events.components.losses import WeightedLossComponent
+from renate_events.inference import call_model
 from trainer import validators as v
 
 _CHECKPOINT_MODELS = ("plastic_model", "stable_model")
@@ -209,8 +210,8 @@ class WeightedCLSLossComponent(WeightedLossComponent):
             if first is not None and first.device != outputs_memory.device:
                 twin.to(outputs_memory.device)
         with torch.no_grad():
-            outputs_plastic = _forward(plastic, inputs_memory)
-            outputs_stable = _forward(stable, inputs_memory)
+            outputs_plastic = call_model(plastic, inputs_memory)
+            outputs_stable = call_model(stable, inputs_memory)
             targets = targets_memory.to(device=outputs_memory.device, dtype=torch.long)[:, None]
             score_plastic = F.softmax(outputs_plastic, dim=-1).gather(-1, targets)
             score_stable = F.softmax(outputs_stable, dim=-1).gather(-1, targets)
@@ -291,16 +292,3 @@ def _paired_tensors(
             f"made at on_train_start ({len(theirs)} vs {len(mine)} tensors)"
         )
     return zip(mine, theirs)
-
-
-def _forward(model: nn.Module, inputs: Inputs) -> torch.Tensor:
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    raise ValueError(
-        f"WeightedCLSLossComponent: memory inputs must be a tensor, tuple or dict, got "
-        f"{type(inputs).__name__}"
-    )

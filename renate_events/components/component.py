@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import nn
 
+from renate_events.inference import call_model
 from renate_events.memory import BatchMemory
 from trainer import validators as v
 
@@ -17,17 +18,6 @@ __all__ = ["BatchMemory", "Component", "Inputs", "call_model"]
 
 #: Model inputs: a tensor, or a (nested) tuple/dict of tensors.
 Inputs = Union[torch.Tensor, tuple[Any, ...], Mapping[str, Any]]
-
-
-def call_model(model: nn.Module, inputs: Any, **keywords: Any) -> Any:
-    """``model(x)``, ``model(*x)`` for a tuple or list, ``model(**x)`` for a dict: how every
-    learner and component calls a model (or a copy of it); ``keywords`` (the learners'
-    ``task_id``) are passed along."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs, **keywords)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs, **keywords)
-    return model(inputs, **keywords)
 
 
 def _real_from(low: float, *, low_open: bool = False) -> Callable[[Any, Any, Any], None]:
