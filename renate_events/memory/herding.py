@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from renate_events.memory import _structure
-from renate_events.memory.buffers import _BoundedBuffer
+from renate_events.memory.base import BoundedBuffer
 from trainer import validators
 
 __all__ = ["HerdingBuffer", "herding_selection"]
@@ -66,7 +66,7 @@ def herding_selection(features: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @attrs.define(eq=False)
-class HerdingBuffer(_BoundedBuffer):
+class HerdingBuffer(BoundedBuffer):
     """iCaRL's memory: ``max_size`` exemplars split equally over the classes seen, by herding.
 
     :meth:`herd` is the end of an update (Rebuffi et al., CVPR 2017, Algorithms 4 and 5): with
