@@ -479,8 +479,8 @@ def test_state_dict_is_a_snapshot() -> None:
 def test_no_pickle_in_sources() -> None:
     import inspect
 
-    import renate_events.memory._structure as structure
     import renate_events.memory.buffers as buffers
+    import renate_events.memory.structure as structure
 
     for module in (buffers, structure):
         source = inspect.getsource(module)

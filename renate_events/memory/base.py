@@ -26,7 +26,7 @@ from typing import Any, cast
 import attrs
 import torch
 
-from renate_events.memory import _structure, checks, storage
+from renate_events.memory import checks, storage, structure
 from renate_events.memory.draws import (
     SAMPLE_SEED_OFFSET,
     draw_distinct,
@@ -280,7 +280,7 @@ class DataBuffer(abc.ABC):
         idx = indices_to(
             draw_distinct(self._length, batch_size, self._sample_generator), self.device
         )
-        inputs = _structure.unflatten(spec, [s.index_select(0, idx) for s in self._inputs])
+        inputs = structure.unflatten(spec, [s.index_select(0, idx) for s in self._inputs])
         targets = stored_targets.index_select(0, idx)
         metadata = {"idx": idx}
         for key, stored in self._metadata.items():
@@ -434,7 +434,7 @@ class DataBuffer(abc.ABC):
         if parsed.spec is None:
             self._release_storage()
         else:
-            names = _structure.leaf_names(parsed.spec, "inputs")
+            names = structure.leaf_names(parsed.spec, "inputs")
             targets, n = cast(torch.Tensor, parsed.targets), parsed.length
             capacity = self._capacity_for_length(n)
             self._allocate(parsed.spec, names, parsed.inputs, targets, parsed.metadata, capacity)
@@ -550,7 +550,7 @@ class BufferDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         if not -len(buffer) <= index < len(buffer) or buffer._spec is None:
             raise IndexError(f"index {index} is out of range for {len(buffer)} samples")
         index = index % len(buffer)
-        inputs = _structure.unflatten(buffer._spec, [s[index] for s in buffer._inputs])
+        inputs = structure.unflatten(buffer._spec, [s[index] for s in buffer._inputs])
         return inputs, cast(torch.Tensor, buffer._targets)[index]
 
     def __getitems__(self, indices: list[int]) -> tuple[Any, torch.Tensor]:
@@ -561,9 +561,7 @@ class BufferDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         ):
             raise IndexError(f"indices must be in [0, {len(buffer)})")
         idx = idx.to(buffer.device)
-        inputs = _structure.unflatten(
-            buffer._spec, [s.index_select(0, idx) for s in buffer._inputs]
-        )
+        inputs = structure.unflatten(buffer._spec, [s.index_select(0, idx) for s in buffer._inputs])
         return inputs, cast(torch.Tensor, buffer._targets).index_select(0, idx)
 
     @staticmethod

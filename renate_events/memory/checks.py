@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from renate_events.memory import _structure
+from renate_events.memory import structure
 
 __all__ = [
     "as_device",
@@ -144,12 +144,12 @@ def validate_batch(
     check_batch_tensor("targets", targets, batch_size, stored_targets)
     metadata = _check_metadata_keys(metadata)
     if spec is None:
-        spec, leaves, names = _structure.flatten_new(inputs, "inputs")
+        spec, leaves, names = structure.flatten_new(inputs, "inputs")
         stored_leaves: list[torch.Tensor | None] = [None] * len(leaves)
         meta = dict(metadata)
         stored_meta: dict[str, torch.Tensor | None] = dict.fromkeys(meta)
     else:
-        leaves = _structure.flatten_like(inputs, spec, "inputs")
+        leaves = structure.flatten_like(inputs, spec, "inputs")
         stored_leaves = list(stored_inputs)
         meta = _stored_keys_only(metadata, stored_metadata)
         stored_meta = dict(stored_metadata)

@@ -13,7 +13,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from renate_events.memory import _structure
+from renate_events.memory import structure
 from renate_events.memory.base import BoundedBuffer
 from trainer import validators
 
@@ -210,12 +210,12 @@ class HerdingBuffer(BoundedBuffer):
         """``state`` with the stored rows ``kept`` followed by the offered rows ``chosen``."""
         spec = state["inputs_structure"]
         if spec is None:
-            spec, leaves, _ = _structure.flatten_new(inputs, "inputs")
+            spec, leaves, _ = structure.flatten_new(inputs, "inputs")
             old_leaves: list[torch.Tensor | None] = [None] * len(leaves)
             old_meta: dict[str, torch.Tensor | None] = dict.fromkeys(metadata or {})
             old_targets = None
         else:
-            leaves = _structure.flatten_like(inputs, spec, "inputs")
+            leaves = structure.flatten_like(inputs, spec, "inputs")
             old_leaves, old_meta = list(state["inputs"]), dict(state["metadata"])
             old_targets = state["targets"]
         meta = dict(metadata or {})

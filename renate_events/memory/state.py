@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from renate_events.memory import _structure
+from renate_events.memory import structure
 from renate_events.memory.checks import shape
 from trainer import validators
 
@@ -204,8 +204,8 @@ def _parse_storage(
                 "no inputs, targets None and no metadata"
             )
         return None, [], None, {}
-    spec = _structure.validate_spec(raw_spec, "state['inputs_structure']")
-    names = _structure.leaf_names(spec, "inputs")
+    spec = structure.validate_spec(raw_spec, "state['inputs_structure']")
+    names = structure.leaf_names(spec, "inputs")
     if len(inputs) != len(names):
         raise ValueError(
             f"state['inputs']: the structure has {len(names)} tensors, got {len(inputs)}"
