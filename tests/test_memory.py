@@ -24,7 +24,7 @@ from renate_events.memory import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
-from renate_events.memory.buffers import _draw_distinct
+from renate_events.memory.draws import draw_distinct as _draw_distinct
 
 BOUNDED = [ReservoirBuffer, SlidingWindowBuffer, GreedyClassBalancingBuffer]
 
@@ -380,7 +380,7 @@ def test_draw_distinct_is_uniform_over_ordered_tuples(monkeypatch, first, factor
     """Chi-square over all ordered tuples of 3 distinct values of 12: exact for draws accepted
     when distinct mixed with the permutation fallback, for the permutation alone, and for the
     redraw of repeats (the regime of n > 64 k, forced here on a small n)."""
-    import renate_events.memory.buffers as buffers
+    import renate_events.memory.draws as buffers
 
     monkeypatch.setattr(buffers, "_DRAWS_FIRST", first)
     monkeypatch.setattr(buffers, "_PERMUTATION_FACTOR", factor)
@@ -479,8 +479,8 @@ def test_state_dict_is_a_snapshot() -> None:
 def test_no_pickle_in_sources() -> None:
     import inspect
 
-    import renate_events.memory._structure as structure
     import renate_events.memory.buffers as buffers
+    import renate_events.memory.structure as structure
 
     for module in (buffers, structure):
         source = inspect.getsource(module)

@@ -3,6 +3,7 @@
 Public names follow Renate's buffers:
 
 * :class:`DataBuffer`: the abstract base (update / sample / metadata / state dict),
+* :class:`BoundedBuffer`: the base of the buffers that hold at most ``max_size`` samples,
 * :class:`ReservoirBuffer`: uniform random subset of the stream (Vitter 1985),
 * :class:`SlidingWindowBuffer`: the most recent samples,
 * :class:`GreedyClassBalancingBuffer`: class-balanced memory of GDumb (Prabhu et al., 2020),
@@ -22,21 +23,20 @@ Example:
 
 from __future__ import annotations
 
+from renate_events.memory.base import BatchMemory, BoundedBuffer, BufferDataset, DataBuffer
 from renate_events.memory.buffers import (
-    STATE_FORMAT_VERSION,
-    BatchMemory,
-    BufferDataset,
-    DataBuffer,
     GreedyClassBalancingBuffer,
     InfiniteBuffer,
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
 from renate_events.memory.herding import HerdingBuffer, herding_selection
+from renate_events.memory.state import STATE_FORMAT_VERSION
 
 __all__ = [
     "STATE_FORMAT_VERSION",
     "BatchMemory",
+    "BoundedBuffer",
     "BufferDataset",
     "DataBuffer",
     "GreedyClassBalancingBuffer",

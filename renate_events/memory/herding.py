@@ -13,8 +13,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from renate_events.memory import _structure
-from renate_events.memory.buffers import _BoundedBuffer
+from renate_events.memory import structure
+from renate_events.memory.base import BoundedBuffer
 from trainer import validators
 
 __all__ = ["HerdingBuffer", "herding_selection"]
@@ -66,7 +66,7 @@ def herding_selection(features: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @attrs.define(eq=False)
-class HerdingBuffer(_BoundedBuffer):
+class HerdingBuffer(BoundedBuffer):
     """iCaRL's memory: ``max_size`` exemplars split equally over the classes seen, by herding.
 
     :meth:`herd` is the end of an update (Rebuffi et al., CVPR 2017, Algorithms 4 and 5): with
@@ -210,12 +210,12 @@ class HerdingBuffer(_BoundedBuffer):
         """``state`` with the stored rows ``kept`` followed by the offered rows ``chosen``."""
         spec = state["inputs_structure"]
         if spec is None:
-            spec, leaves, _ = _structure.flatten_new(inputs, "inputs")
+            spec, leaves, _ = structure.flatten_new(inputs, "inputs")
             old_leaves: list[torch.Tensor | None] = [None] * len(leaves)
             old_meta: dict[str, torch.Tensor | None] = dict.fromkeys(metadata or {})
             old_targets = None
         else:
-            leaves = _structure.flatten_like(inputs, spec, "inputs")
+            leaves = structure.flatten_like(inputs, spec, "inputs")
             old_leaves, old_meta = list(state["inputs"]), dict(state["metadata"])
             old_targets = state["targets"]
         meta = dict(metadata or {})
