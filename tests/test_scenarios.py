@@ -563,13 +563,26 @@ def test_task_validates_its_fields() -> None:
     assert Task(task_id=0, train=data, test=data, classes=torch.tensor([2, 0])).classes == (2, 0)
 
 
+def _scenario_modules() -> list:
+    import importlib
+    import pkgutil
+
+    names = [info.name for info in pkgutil.iter_modules(scenarios.__path__)]
+    return [scenarios] + [importlib.import_module(f"renate_events.scenarios.{n}") for n in names]
+
+
 def test_no_object_serialization_in_the_module() -> None:
-    source = inspect.getsource(scenarios)
-    for word in ("pickle", "torch.save", "torch.load"):
-        assert word not in source, word
+    for module in _scenario_modules():
+        source = inspect.getsource(module)
+        for word in ("pickle", "torch.save", "torch.load"):
+            assert word not in source, (module.__name__, word)
 
 
 def test_docstring_examples_run() -> None:
     pytest.importorskip("sklearn")
-    result = doctest.testmod(scenarios, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
+    attempted = 0
+    for module in _scenario_modules():
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted > 0
