@@ -1,10 +1,12 @@
-"""Small models, data and listeners shared by the trainer tests."""
+"""What the tests share: the repository's root, small models, data and listeners, fresh processes
+and the command line run as a user runs it."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import pathlib
 import sys
 import tempfile
 import traceback
@@ -14,6 +16,10 @@ from typing import Any
 import attrs
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+# The repository's root (the folder holding pyproject.toml), for tests that read its files or run
+# its scripts; one home, so that a test file can move between the folders of tests/.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Modules every child of the fork server needs: importing torch alone takes ~2.5 s, which a
 # test starting ten processes would otherwise pay ten times.

@@ -6,14 +6,13 @@ by a change of the code it measures.
 
 from __future__ import annotations
 
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def _run(script: str, *args: str) -> str:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pathlib
 import re
 import runpy
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def test_readme_starts_with_the_install_and_test_commands():

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 DOCS = ROOT / "docs"
 TEST_REFERENCE = re.compile(r"``(tests/[\w/]+\.py)::(\w+)``")
 

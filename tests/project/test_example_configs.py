@@ -11,10 +11,11 @@ import torch
 
 from renate_events.config import ConfigError, load_config
 from renate_events.learners import ExperienceReplayLearner
-from tests.test_cifar import write_cifar10
+from tests.helpers import ROOT
+from tests.renate_events.test_datasets_cifar import write_cifar10
 from trainer import Trainer
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "configs"
+CONFIGS = ROOT / "examples" / "configs"
 
 
 def _update(config, chunk_id: int, seed: int = 0, max_steps: int | None = None):

@@ -4,7 +4,6 @@ processes, then `evaluate`; the same numbers as the same steps through the Pytho
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 
 import pytest
@@ -15,10 +14,9 @@ from renate_events import evaluation
 from renate_events.cli import _ChunkTask, _for_evaluation
 from renate_events.config import load_config
 from renate_events.updater import ModelUpdater, dataset_tensors, read_manifest
-from tests.helpers import run_cli
-from tests.test_cifar import write_cifar10
+from tests.helpers import ROOT, run_cli
+from tests.renate_events.test_datasets_cifar import write_cifar10
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
 SETTINGS = ["--learner", "er", "--memory-size", "40", "--memory-batch-size", "8"]
 SETTINGS += ["--batch-size", "16", "--epochs", "1", "--device", "cpu", "--no-progress"]
@@ -84,8 +82,9 @@ def evaluation_task(chunk, data):
     return _ChunkTask(chunk, None, None, data, classes)
 
 
-# quick_config.py's path through the command line is the one tests/test_config_workflow.py
-# checks in detail (with a config of the same kind), and the docs run it through the Python API.
+# quick_config.py's path through the command line is the one
+# tests/renate_events/test_config_workflow.py checks in detail (with a config of the same kind),
+# and the docs run it through the Python API.
 
 
 def test_digits_cnn(tmp_path):

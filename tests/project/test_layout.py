@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
+from tests.helpers import ROOT
 from trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "renate_events")
 
 

@@ -13,8 +13,8 @@ import pytest
 from renate_events import cli
 from renate_events.cli import main
 from renate_events.methods import LEARNERS
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "examples" / "recipes").glob("*.toml"))
 TINY = ["--epochs", "1", "--hidden", "16", "--device", "cpu", "--no-progress"]
 OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay")

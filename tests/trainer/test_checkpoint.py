@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 
 import pytest
@@ -29,8 +28,6 @@ from trainer import (
     read_checkpoint,
     write_checkpoint,
 )
-
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _setup(seed=0, dropout=0.2, **trainer_kwargs):

@@ -38,9 +38,6 @@ from trainer import (
     write_checkpoint,
 )
 
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
 # -- building files -------------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from renate_events.learners import ICaRLLearner
 from renate_events.memory import HerdingBuffer, ReservoirBuffer, herding_selection
 from renate_events.scenarios import ClassIncrementalScenario
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_same_tree, parameters_of
+from tests.helpers import ROOT, assert_same_tree, parameters_of
 from trainer import Trainer
 
 # -- herding -------------------------------------------------------------------------------------
@@ -422,9 +422,8 @@ def test_cli_refuses_the_nme_classifier_for_other_learners(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_config_file_run_and_evaluate_with_the_nme_classifier(tmp_path, capsys):
-    import pathlib
 
-    config = str(pathlib.Path(__file__).parents[1] / "examples" / "configs" / "quick_config.py")
+    config = str(ROOT / "examples" / "configs" / "quick_config.py")
     out = tmp_path / "out"
     run = ["run", "--config-file", config, "--chunks", "2", "--learner", "icarl"]
     assert main([*run, "--epochs", "1", "--output-dir", str(out), "--no-progress"]) == 2

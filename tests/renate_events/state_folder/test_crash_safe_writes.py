@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 import random
 import signal
 import subprocess
@@ -13,9 +12,9 @@ import pytest
 import torch
 
 from renate_events.updater import read_manifest
+from tests.helpers import ROOT
 from trainer import read_checkpoint
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "write_forever.py"
 
 

@@ -25,10 +25,9 @@ from renate_events.updater import (
     read_manifest,
     state_token,
 )
+from tests.helpers import ROOT
 from trainer import CheckpointError
 from trainer.files import FileLock, lock_path
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _updater(**kwargs):
