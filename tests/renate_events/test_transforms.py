@@ -173,6 +173,7 @@ def test_target_transforms_apply_to_new_and_memory_targets():
     assert calls["train"] == 8 + 1 and calls["buffer"] > 6
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.parametrize(
     ("field", "transform", "error", "match"),
     [

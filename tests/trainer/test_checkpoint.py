@@ -264,6 +264,7 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
     assert fresh.out.weight is fresh.embed.weight
 
 
+@pytest.mark.all_or_nothing
 def test_listener_raising_during_save_leaves_no_file(tmp_path):
     trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
     _run(trainer, model, optimizer, scheduler)
@@ -296,6 +297,7 @@ def test_unstorable_value_is_a_type_error_saying_what_to_store():
         ListenerState("y", {"a": 1}, readonly=True)["a"] = 2
 
 
+@pytest.mark.all_or_nothing
 def test_mismatches_are_all_reported_and_nothing_changes(tmp_path):
     trainer, model, optimizer, scheduler, _ = _setup(max_epochs=1)
     _run(trainer, model, optimizer, scheduler)
@@ -423,6 +425,7 @@ def test_optimizer_state_of_the_wrong_shape_is_reported(tmp_path):
         )
 
 
+@pytest.mark.all_or_nothing
 def test_a_listener_refusing_its_state_leaves_everything_as_it_was(tmp_path):
     trainer, model, optimizer, scheduler, counter = _setup(max_epochs=1)
     _run(trainer, model, optimizer, scheduler)

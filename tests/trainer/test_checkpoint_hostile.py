@@ -38,6 +38,9 @@ from trainer import (
     write_checkpoint,
 )
 
+# Every test here feeds a hostile or broken file (`pytest -m hostile` runs them with the others).
+pytestmark = pytest.mark.hostile
+
 # -- building files -------------------------------------------------------------------------------
 
 
@@ -638,6 +641,7 @@ def test_the_mutation_base_round_trips(tmp_path):
 # -- end to end: a broken file leaves the live objects as they were -------------------------------
 
 
+@pytest.mark.all_or_nothing
 def test_loading_a_broken_file_leaves_the_trainer_untouched(tmp_path):
     model = make_model(seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

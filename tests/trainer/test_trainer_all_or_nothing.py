@@ -90,6 +90,7 @@ def test_fit_from_inside_a_hook_is_refused_and_the_outer_fit_goes_on():
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@pytest.mark.all_or_nothing
 def test_save_checkpoint_from_on_save_checkpoint_is_a_clear_error(tmp_path):
     trainer = Trainer(max_epochs=1, device="cpu")
 
@@ -136,6 +137,7 @@ def _trained_with_counters(tmp_path):
     return trainer, model, first, second, path
 
 
+@pytest.mark.all_or_nothing
 def test_a_later_listener_refusing_its_state_puts_the_earlier_ones_back(tmp_path):
     trainer, model, first, second, path = _trained_with_counters(tmp_path)
     _fit(trainer, model)  # one more epoch: the live counts now differ from the file's
@@ -153,6 +155,7 @@ def test_a_later_listener_refusing_its_state_puts_the_earlier_ones_back(tmp_path
     }
 
 
+@pytest.mark.all_or_nothing
 def test_a_refused_load_with_new_objects_keeps_the_attached_ones(tmp_path):
     trainer, _, _, second, path = _trained_with_counters(tmp_path)
     other = make_model(seed=1)
@@ -168,6 +171,7 @@ def test_a_refused_load_with_new_objects_keeps_the_attached_ones(tmp_path):
     assert (trainer.model, trainer.optimizer) == attached
 
 
+@pytest.mark.all_or_nothing
 def test_a_refused_resume_keeps_the_trainer_state(tmp_path):
     trainer, model, _, _, path = _trained_with_counters(tmp_path)
     steps = trainer.state.global_step
@@ -218,6 +222,8 @@ def _pending(tree):
     tree["pending_grads"] = [torch.zeros(3) for _ in tree["pending_grads"]]
 
 
+@pytest.mark.all_or_nothing
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("change", "key"),
     [
@@ -242,6 +248,7 @@ def test_edited_sections_are_refused_naming_the_file_and_key(tmp_path, change, k
         assert torch.equal(value, before[name]), name
 
 
+@pytest.mark.hostile
 def test_non_finite_progress_cannot_even_be_read(tmp_path):
     trainer, _, path = _saved(tmp_path)
     with pytest.raises((CheckpointFormatError, TypeError, ValueError)):
@@ -249,6 +256,7 @@ def test_non_finite_progress_cannot_even_be_read(tmp_path):
         trainer.load_checkpoint(path)
 
 
+@pytest.mark.hostile
 def test_pending_gradients_of_the_wrong_shape_are_refused(tmp_path):
     trainer, _, path = _saved(tmp_path, accumulate=2)
     mid_window = str(tmp_path / "mid.safetensors")
@@ -267,6 +275,7 @@ def test_pending_gradients_of_the_wrong_shape_are_refused(tmp_path):
         trainer.load_checkpoint(path)
 
 
+@pytest.mark.hostile
 def test_optimizer_state_that_cannot_belong_to_its_parameter_is_refused(tmp_path):
     trainer, _, path = _saved(tmp_path, optimizer="adam")
     _edit(path, lambda tree: tree["optimizer"]["state"]["0"].__setitem__("exp_avg", torch.ones(96)))
@@ -281,6 +290,7 @@ def test_a_scheduler_of_another_class_is_refused(tmp_path):
         trainer.load_checkpoint(path, scheduler=exponential)
 
 
+@pytest.mark.hostile
 def test_a_scheduler_state_without_the_class_name_is_checked_by_its_keys(tmp_path):
     trainer, _, path = _saved(tmp_path, scheduler=True)
     _edit(path, lambda tree: tree["trainer"].pop("scheduler_class"))
@@ -289,6 +299,7 @@ def test_a_scheduler_state_without_the_class_name_is_checked_by_its_keys(tmp_pat
         trainer.load_checkpoint(path, scheduler=exponential)
 
 
+@pytest.mark.hostile
 def test_a_learning_rate_that_is_not_a_number_is_refused(tmp_path):
     trainer, _, path = _saved(tmp_path)
     _edit(path, lambda tree: tree["optimizer"]["param_groups"][0].__setitem__("lr", "x"))
@@ -334,6 +345,7 @@ def test_the_next_save_removes_temporaries_of_killed_saves_but_not_of_live_ones(
     ]
 
 
+@pytest.mark.all_or_nothing
 def test_a_full_disk_is_a_checkpoint_error_and_leaves_the_previous_file(tmp_path, monkeypatch):
     import safetensors
 
@@ -408,6 +420,7 @@ def test_a_temporary_with_a_number_no_process_has_is_left_alone(tmp_path):
     assert odd.exists()
 
 
+@pytest.mark.all_or_nothing
 def test_a_resume_refused_by_a_listener_puts_the_trainer_back(tmp_path):
     trainer, model, _, second, path = _trained_with_counters(tmp_path)
     _fit(trainer, model)
@@ -420,6 +433,8 @@ def test_a_resume_refused_by_a_listener_puts_the_trainer_back(tmp_path):
     assert (trainer.model, trainer.optimizer) == attached
 
 
+@pytest.mark.all_or_nothing
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
@@ -453,6 +468,7 @@ def test_a_resume_from_an_edited_file_is_refused_before_train_start(tmp_path, ch
     assert started == []
 
 
+@pytest.mark.hostile
 def test_adam_moments_of_a_broadcastable_but_wrong_shape_are_refused(tmp_path):
     trainer, _, path = _saved(tmp_path, optimizer="adam")
     _edit(

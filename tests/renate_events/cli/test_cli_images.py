@@ -217,6 +217,7 @@ def test_a_later_update_keeps_the_architecture(resnet_run, tmp_path, capsys):
     assert not (tmp_path / "next").exists()
 
 
+@pytest.mark.hostile
 @SLOW
 @pytest.mark.parametrize(
     ("change", "words"),

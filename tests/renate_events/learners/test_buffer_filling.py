@@ -210,6 +210,7 @@ class _Raise:
             raise RuntimeError("boom")
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.parametrize("event", ["batch_end", "train_end"])
 def test_a_failed_update_leaves_the_buffer_unchanged(event):
     learner = _learner(trainer=Trainer(max_epochs=2, device="cpu"))
@@ -222,6 +223,7 @@ def test_a_failed_update_leaves_the_buffer_unchanged(event):
     assert_same_tree(before, learner.buffer.state_dict())
 
 
+@pytest.mark.all_or_nothing
 def test_the_fill_itself_failing_leaves_the_buffer_unchanged():
     calls = []
 

@@ -761,6 +761,7 @@ def _replayer(cls, **options):
     )
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.parametrize(
     ("cls", "options"),
     [

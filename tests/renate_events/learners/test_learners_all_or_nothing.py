@@ -9,6 +9,9 @@ from torch.utils.data import TensorDataset
 from renate_events.learners import CLSExperienceReplayLearner
 from trainer import Trainer, read_checkpoint, write_checkpoint
 
+# `pytest -m all_or_nothing` runs this with the other tests of refusals that change nothing.
+pytestmark = pytest.mark.all_or_nothing
+
 
 def _data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)

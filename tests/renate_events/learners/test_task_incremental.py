@@ -328,6 +328,7 @@ def _unchanged(learner, before) -> None:
         assert _same(after[3]["metadata"], before[3]["metadata"])
 
 
+@pytest.mark.all_or_nothing
 def test_bad_task_ids_are_refused_before_anything_changes() -> None:
     learner = _learner(ExperienceReplayLearner)
     learner.fit(_task_data(0))
@@ -372,6 +373,7 @@ def test_a_task_without_a_head_and_no_way_to_add_one() -> None:
     assert uneven.task_ids == (0,)
 
 
+@pytest.mark.all_or_nothing
 def test_images_of_another_shape_than_the_buffers_leave_everything_as_it_was() -> None:
     torch.manual_seed(0)
     model = MultiHeadClassificationModel.from_model(resnet18(2, nf=2))  # pools any image size

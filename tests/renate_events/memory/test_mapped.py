@@ -119,6 +119,7 @@ def test_a_killed_update_leaves_the_checkpointed_files_intact(tmp_path):
     assert {p.name.split(".")[1] for p in tmp_path.glob("buffer.g*.bin")} == {"g2", "g3"}
 
 
+@pytest.mark.all_or_nothing
 def test_bad_folders_full_disks_and_shapes_are_refused_before_anything_changes(
     tmp_path, monkeypatch
 ):
@@ -147,6 +148,7 @@ def test_bad_folders_full_disks_and_shapes_are_refused_before_anything_changes(
     assert buffer.num_seen == 8
 
 
+@pytest.mark.hostile
 def test_tampered_or_foreign_snapshot_files_are_refused(tmp_path):
     buffer = MappedReservoirBuffer(8, folder=tmp_path)
     for inputs, targets, metadata in _stream(2):

@@ -696,6 +696,7 @@ BAD_STATES = [
 ]
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.parametrize(("path", "value", "word"), BAD_STATES)
 def test_bad_state_leaves_buffer_untouched(path: tuple, value: Any, word: str) -> None:
     source = ReservoirBuffer(8, seed=1)

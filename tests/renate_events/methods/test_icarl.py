@@ -313,6 +313,8 @@ def test_learner_refuses_bad_settings_before_training():
         learner.nme_classifier()
 
 
+@pytest.mark.all_or_nothing
+@pytest.mark.hostile
 def test_untrusted_class_means_are_refused_before_anything_changes(tmp_path):
     learner = _learner()
     learner.fit(_tasks()[0].train)

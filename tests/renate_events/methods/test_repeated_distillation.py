@@ -140,6 +140,7 @@ class _Fail:
             raise RuntimeError("boom")
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.parametrize("phase", ["expert", "batch_end", "train_end"])
 def test_a_failed_update_leaves_model_and_buffer_unchanged(phase):
     learner = _learner()

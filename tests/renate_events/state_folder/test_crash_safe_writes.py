@@ -39,6 +39,7 @@ def _uniform_weights(tree):
     return values[0].item()
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["folder", "file"])
 def test_killed_writer_leaves_the_previous_state_loadable(tmp_path, kind):

@@ -235,6 +235,7 @@ def _files(files):
     return lambda manifest: manifest.__setitem__("files", files(manifest))
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("edit", "key"),
     [
@@ -284,6 +285,7 @@ def test_manifests_breaking_the_schema_are_refused_naming_file_and_key(tmp_path,
     assert _unchanged(model, weights)  # nothing applied
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
@@ -324,6 +326,7 @@ def _full_disk(monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
 
 
+@pytest.mark.all_or_nothing
 def test_a_full_disk_leaves_the_old_state_and_no_litter(tmp_path, monkeypatch):
     state = _state(tmp_path)
     updater = _updater(input_state_folder=state, output_state_folder=state, in_place=True)
@@ -380,6 +383,7 @@ FILE_SIZE_LIMIT = textwrap.dedent(
 )
 
 
+@pytest.mark.all_or_nothing
 def test_a_file_size_limit_is_a_checkpoint_error_and_leaves_the_old_state(tmp_path):
     state = tmp_path / "s"
     ModelUpdater(

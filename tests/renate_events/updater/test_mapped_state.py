@@ -192,6 +192,7 @@ def _rewrite_manifest(folder, change):
     path.write_text(json.dumps(manifest))
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("damage", ["truncated", "replaced", "longer", "missing", "unlisted"])
 def test_damaged_buffer_files_are_refused_naming_the_file(tmp_path, damage):
     first, _, _ = _chain(tmp_path, "mapped")
@@ -224,6 +225,7 @@ def test_a_manifest_listing_buffer_files_without_mapped_storage_is_refused(tmp_p
         read_manifest(first)
 
 
+@pytest.mark.hostile
 def test_a_checkpoint_whose_buffer_file_record_lies_about_the_shape_is_refused(tmp_path):
     """The manifest's checksums can be rewritten by whoever edits the folder; the sizes against
     the checkpoint's shapes are checked too, before any slot changes."""
@@ -276,6 +278,7 @@ def test_a_first_update_on_a_disk_without_room_for_the_buffer_is_refused_before_
     assert read_manifest(tmp_path / "out")["updates"] == 1
 
 
+@pytest.mark.all_or_nothing
 def test_a_read_only_buffer_folder_or_file_system_is_refused_before_anything_changes(
     tmp_path, monkeypatch
 ):
@@ -314,6 +317,7 @@ def test_a_read_only_buffer_folder_is_refused_before_training(tmp_path):
         folder.chmod(0o755)
 
 
+@pytest.mark.all_or_nothing
 def test_a_full_disk_while_loading_or_writing_changes_nothing(tmp_path, monkeypatch):
     first, _, _ = _chain(tmp_path, "mapped")
     before = _files(first)
@@ -349,6 +353,7 @@ def _write_with_a_file_size_limit(folder, output, limit):
         raise
 
 
+@pytest.mark.all_or_nothing
 @pytest.mark.slow  # a process of its own
 def test_a_file_size_limit_in_a_real_process_leaves_no_state_and_no_litter(tmp_path):
     first, _, _ = _chain(tmp_path, "mapped")

@@ -100,6 +100,7 @@ def test_folder_from_another_learner_or_model_is_refused_naming_the_difference(t
     assert "'weight' is float32 (2, 4) in the folder, float32 (3, 4) in the model" in message
 
 
+@pytest.mark.hostile
 def test_damaged_or_missing_folders_are_clear_errors(tmp_path):
     with pytest.raises(StateFolderError, match="not a state folder"):
         _updater(torch.nn.Linear(4, 2), input_state_folder=tmp_path).update(_task())
