@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
+from renate_events.learners import (
+    ElasticWeightConsolidationLearner,
+    ExperienceReplayLearner,
+    GDumbLearner,
+    ICaRLLearner,
+)
 from renate_events.transforms import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -20,7 +27,14 @@ from renate_events.transforms import (
     cifar_test_transform,
     cifar_train_transform,
 )
-from tests.helpers import assert_same_tensors, assert_same_tree, parameters_of
+from tests.helpers import (
+    SCALED_TRANSFORMS,
+    assert_same_tensors,
+    assert_same_tree,
+    parameters_of,
+    small_mlp,
+    uint8_task,
+)
 from trainer import Trainer, read_checkpoint, validators
 
 
@@ -257,3 +271,69 @@ def test_resumed_update_repeats_the_same_augmentations(tmp_path):
         other.fit(task)
     ours, theirs = parameters_of(reference.model), parameters_of(other.model)
     assert not all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def _bn_learner(**transforms):
+    """An ER learner on a model with batch-norm statistics, which any training forward pass
+    changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    return ExperienceReplayLearner(
+        model=model,
+        memory_size=8,
+        memory_batch_size=4,
+        batch_size=4,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **transforms,
+    )
+
+
+@pytest.mark.all_or_nothing
+def test_the_label_check_sees_the_target_transforms_labels():
+    data = TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)  # labels 10..13
+    shift = {
+        "train_target_transform": lambda t: t - 10,
+        "buffer_target_transform": lambda t: t - 10,
+    }
+    assert _bn_learner(**shift).fit(data).steps == 2  # remapped to the 4 outputs
+    with pytest.raises(ValueError, match=r"training labels range over \[10, 13\]"):
+        _bn_learner(train_target_transform=shift["train_target_transform"]).fit(data)  # replay: raw
+    data = TensorDataset(torch.randn(8, 4), torch.arange(8) % 4)
+    for name in ("train_target_transform", "buffer_target_transform"):
+        learner = _bn_learner(**{name: lambda t: t + 10})
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        with pytest.raises(ValueError, match=f"through {name} range over \\[10, 13\\]"):
+            learner.fit(data)
+        # refused before a forward pass: the batch-norm statistics are as they were
+        assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
+@pytest.mark.parametrize("mean", [float("nan"), float("inf"), "a"])
+def test_normalize_refuses_a_mean_that_is_not_a_finite_number(mean):
+    with pytest.raises(ValueError, match=r"Normalize\.mean must be finite numbers"):
+        Normalize([mean, 0.5, 0.5], [0.2, 0.2, 0.2])
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "steps"),
+    [
+        (ElasticWeightConsolidationLearner, {}, 2),
+        (ICaRLLearner, {"feature_modules": ["1"], "memory_size": 8, "memory_batch_size": 4}, 2),
+        (GDumbLearner, {"memory_size": 8, "memory_batch_size": 4}, 1),  # the 8 buffered
+    ],
+    ids=["ewc-fisher", "icarl-means", "gdumb-class-probe"],
+)
+def test_learners_call_the_model_on_transformed_inputs_only(
+    cls: Any, kwargs: Any, steps: int
+) -> None:
+    # EWC's Fisher pass, iCaRL's class count after herding and GDumb's class probe ran the
+    # model on the raw inputs, which fails for data that needs the learner's transform.
+    learner = cls(
+        model=small_mlp(),
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **SCALED_TRANSFORMS,
+        **kwargs,
+    )
+    for task in range(2):
+        assert learner.fit(uint8_task(task)).steps == steps

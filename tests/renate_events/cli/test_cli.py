@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 pytest.importorskip("sklearn")
 
@@ -172,3 +177,48 @@ def test_run_reports_flip_rates_consistent_with_the_accuracy_matrix(tmp_path):
     assert run["metrics"]["negative_flip_rate"] == pytest.approx(
         sum(flip["nfr"] for flip in run["regression"]) / 4
     )
+
+
+def _edit_checkpoint_tree(state: Any, edit: Any) -> None:
+    """Rewrite ``state``'s learner.safetensors with ``edit(tree)`` applied, its checksums and the
+    manifest's made to match (a hand-crafted folder that every checksum vouches for)."""
+    path = state / "learner.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    tree = json.loads(metadata["tree"])
+    edit(tree)
+    metadata["tree"] = json.dumps(tree, separators=(",", ":"))
+    fields = [metadata[key] for key in ("format", "format_version", "tree")]
+    checksums = json.loads(metadata["checksums"])
+    checksums["tree"] = hashlib.sha256(
+        json.dumps(fields, separators=(",", ":")).encode()
+    ).hexdigest()
+    metadata["checksums"] = json.dumps(checksums, separators=(",", ":"))
+    save_file(tensors, str(path), metadata=metadata)
+    manifest = json.loads((state / "manifest.json").read_text())
+    manifest["files"]["learner.safetensors"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (state / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.hostile
+def test_a_component_refusing_the_state_folders_checkpoint_is_one_line(
+    tmp_path: Any, capsys: Any
+) -> None:
+    # A listener refusing its state on load came out as the trainer's ListenerError: a
+    # traceback on the command line instead of an error naming the folder's file.
+    run = ["run", "--learner", "lwf", "--epochs", "1", "--no-progress"]
+    assert main([*run, "--output-dir", str(tmp_path / "run")]) == 0
+    state = tmp_path / "run" / "state" / "seed-0"
+    _edit_checkpoint_tree(state, lambda tree: tree["listeners"]["lwf"].update(updates=-1))
+    x = np.random.default_rng(0).random((16, 64), dtype=np.float32)
+    np.savez(tmp_path / "new.npz", inputs=x, targets=np.arange(16) % 2)
+    capsys.readouterr()
+    for argv in (
+        ["update", "--input-state", str(state), "--output-state", str(tmp_path / "out")],
+        ["evaluate", "--state", str(state)],
+    ):
+        assert main([*argv, "--data", str(tmp_path / "new.npz")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert str(state / "learner.safetensors") in line and "'updates' must be" in line
+    assert not (tmp_path / "out").exists()

@@ -240,3 +240,11 @@ def test_a_tampered_model_description_is_refused(resnet_run, tmp_path, capsys, c
     (state / "manifest.json").write_text(json.dumps(manifest))
     data = _images_file(tmp_path / "d.safetensors", torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
     one_line_cli_error(capsys, ["evaluate", "--state", str(state), "--data", str(data)], words)
+
+
+def test_a_data_file_whose_inputs_and_targets_differ_in_length_is_one_line(tmp_path, capsys):
+    data = tmp_path / "data.safetensors"
+    inputs = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    safetensors.torch.save_file({"inputs": inputs, "targets": torch.arange(5)}, str(data))
+    argv = ["evaluate", "--state", str(tmp_path / "state"), "--data", str(data)]
+    one_line_cli_error(capsys, argv, "same length", "6 and 5")

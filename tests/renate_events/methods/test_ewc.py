@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 from renate_events.components import ElasticWeightConsolidationComponent, empirical_fisher
 from renate_events.learners import ElasticWeightConsolidationLearner
 from renate_events.methods import LEARNERS
+from tests.helpers import SCALED_TRANSFORMS, scaled, small_mlp, uint8_task
 from trainer import Trainer
 
 
@@ -168,3 +169,27 @@ def test_a_memory_given_to_the_learner_is_not_replayed_for_nothing() -> None:
     state = learner.buffer.sampling_state()
     learner.training_step(_data(1, (2, 3)).tensors)
     assert torch.equal(learner.buffer.sampling_state(), state)  # no memory batch drawn
+
+
+def test_ewc_fisher_is_that_of_the_transformed_training_data() -> None:
+    learner = ElasticWeightConsolidationLearner(
+        model=small_mlp(),
+        batch_size=16,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **SCALED_TRANSFORMS,
+    )
+    data = uint8_task(0)
+    learner.fit(data)
+    (fisher,) = learner.components["ewc"].fisher_information()  # type: ignore[attr-defined]
+    model = learner.model
+    model.zero_grad()
+    inputs, targets = data.tensors
+    torch.nn.functional.cross_entropy(model(scaled(inputs)), targets).backward()
+    torch.testing.assert_close(fisher["0.weight"], model[0].weight.grad.square())
+
+
+def test_ewc_refuses_a_decay_factor_it_would_ignore() -> None:
+    # decay_factor acts only in online mode; in "separate" mode it was silently ignored
+    # (Avalanche's EWCPlugin refuses the combination too).
+    with pytest.raises(ValueError, match=r"decay_factor.*ewc_mode='online'"):
+        ElasticWeightConsolidationLearner(model=small_mlp(), decay_factor=0.5)

@@ -8,6 +8,9 @@ from torch.utils.data import TensorDataset
 
 from renate_events.learners import GDumbLearner
 from renate_events.memory import GreedyClassBalancingBuffer
+from renate_events.transforms import ToFloat
+from renate_events.updater import ModelUpdater
+from tests.helpers import small_mlp, two_class_task
 from trainer import Trainer
 
 
@@ -97,3 +100,33 @@ def test_another_kind_of_buffer_is_refused() -> None:
             buffer=ReservoirBuffer(max_size=8, seed=0),
             trainer=Trainer(max_epochs=1),
         )
+
+
+def test_gdumb_checks_raw_uint8_images_through_the_train_transform():
+    images = torch.randint(0, 256, (6, 3, 2, 2), dtype=torch.uint8)
+    data = TensorDataset(images, torch.arange(6) % 3)
+    for classes in (3, 8):
+        learner = GDumbLearner(
+            model=torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, classes)),
+            memory_size=6,
+            trainer=Trainer(max_epochs=1, device="cpu"),
+            train_transform=ToFloat(),
+            buffer_transform=ToFloat(),
+        )
+        if classes == 3:
+            learner.check_data(data)  # the probe took the uint8 images to the model before
+        else:
+            with pytest.raises(ValueError, match=r"at least the model's number of classes \(8\)"):
+                learner.check_data(data)
+
+
+def test_gdumb_with_another_buffer_says_what_to_pass_to_model_updater() -> None:
+    # ModelUpdater builds a reservoir unless told otherwise: "leave buffer unset" alone was no
+    # help to a user who had left it unset.
+    with pytest.raises(ValueError, match="ModelUpdater: buffer='greedy-class-balancing'"):
+        ModelUpdater(
+            model=small_mlp(),
+            learner="gdumb",
+            buffer="reservoir",
+            learner_kwargs={"memory_size": 8},
+        ).update(two_class_task(0))

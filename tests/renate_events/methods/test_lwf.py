@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.components import LearningWithoutForgettingComponent, distillation_loss
-from renate_events.learners import LearningWithoutForgettingLearner
+from renate_events.learners import ICaRLLearner, LearningWithoutForgettingLearner
 from renate_events.methods import LEARNERS
+from tests.helpers import small_mlp, two_class_task
 from trainer import Trainer
+from trainer.exceptions import NonFiniteLossError
 
 
 def test_distillation_loss_by_hand() -> None:
@@ -94,3 +97,24 @@ def test_bad_values_and_checkpoints_are_refused() -> None:
         )
     with pytest.raises(ValueError, match="updates"):
         lwf.on_load_checkpoint(checkpoint={"updates": -1}, model=model)
+
+
+@pytest.mark.all_or_nothing
+@pytest.mark.parametrize("cls", [LearningWithoutForgettingLearner, ICaRLLearner])
+def test_a_first_update_that_fails_leaves_no_old_model_to_distil_from(cls: Any) -> None:
+    # The frozen copy's count of updates and the classes noted in the failed step survived a
+    # first update that failed before its first optimizer step, so the retried first update
+    # distilled from the untrained model over those classes.
+    kwargs = {"feature_modules": ["1"], "memory_size": 8, "memory_batch_size": 4}
+    learner = cls(
+        model=small_mlp(),
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        **(kwargs if cls is ICaRLLearner else {}),
+    )
+    (component,) = learner.components.values()
+    nan = TensorDataset(torch.full((16, 8), float("nan")), torch.arange(16) % 2)
+    with pytest.raises(NonFiniteLossError):
+        learner.fit(nan)
+    learner.fit(two_class_task(0))
+    assert component._old_model is None and component._old_classes is None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from renate_events.learners import OfflineExperienceReplayLearner
+from tests.helpers import small_mlp, two_class_task
 from trainer import Trainer
 
 
@@ -81,3 +82,24 @@ def test_step_loss_is_the_convex_combination_by_hand(memory_forward) -> None:
 def test_loss_weight_new_data_outside_unit_interval_is_refused(weight) -> None:
     with pytest.raises(ValueError, match="loss_weight_new_data"):
         _learner(loss_weight_new_data=weight)
+
+
+@pytest.mark.all_or_nothing
+def test_a_refused_offline_er_update_keeps_the_loss_weights() -> None:
+    learner = OfflineExperienceReplayLearner(
+        model=small_mlp(),
+        memory_size=16,
+        memory_batch_size=4,
+        batch_size=8,
+        trainer=Trainer(max_epochs=1, device="cpu"),
+    )
+    for task in range(2):
+        learner.fit(two_class_task(task))
+    memory_loss = learner.components["memory_loss"]
+    # Renate's dynamic weight of the second update: N_t / (N_t + N_M) = 32 / (32 + 16).
+    assert learner.loss_weight == pytest.approx(2 / 3)
+    assert memory_loss.weight == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="per-sample shape"):
+        learner.fit(two_class_task(2, n=64, width=5))  # refused: inputs of another shape
+    assert learner.loss_weight == pytest.approx(2 / 3)
+    assert memory_loss.weight == pytest.approx(1 / 3)

@@ -10,6 +10,7 @@ import os
 import pathlib
 import resource
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from renate_events.updater import (
     UpdateInputError,
     read_manifest,
 )
-from tests.helpers import run_in_fresh_process
+from tests.helpers import one_line_cli_error, run_in_fresh_process, small_mlp
 from trainer import CheckpointError, read_checkpoint
 from trainer.exceptions import ListenerError
 
@@ -449,3 +450,111 @@ def test_cli_update_with_mapped_storage_matches_memory(tmp_path, capsys):
     assert code == 2 and not (tmp_path / "x").exists()
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--buffer-storage mapped" in err
+
+
+def _mapped_updater(folder):
+    torch.manual_seed(0)
+    return ModelUpdater(
+        torch.nn.Linear(4, 3),
+        learner="er",
+        learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8},
+        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        buffer_storage="mapped",
+        output_state_folder=folder,
+    )
+
+
+@pytest.mark.all_or_nothing
+def test_a_file_size_limit_below_the_mapped_buffer_is_refused_before_training(tmp_path):
+    updater = _mapped_updater(tmp_path / "out")
+    before = {k: v.clone() for k, v in updater.model.state_dict().items()}
+    data = TensorDataset(torch.randn(16, 4), torch.arange(16) % 3)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # the inputs file: 16 x 16 bytes
+    try:
+        with pytest.raises(UpdateInputError, match="file-size limit is 200 bytes"):
+            updater.update(data)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert all(torch.equal(before[k], v) for k, v in updater.model.state_dict().items())
+    assert list(tmp_path.iterdir()) == []
+
+
+LINEAR_CONFIG = """
+import torch
+
+
+def model_fn():
+    return torch.nn.Linear(4, 3)
+
+
+def data_fn(chunk_id, seed):
+    return torch.utils.data.TensorDataset(torch.randn(16, 4), torch.arange(16) % 3)
+"""
+
+
+def test_a_mapped_buffer_file_failing_in_training_is_one_line_on_the_cli(
+    tmp_path, capsys, monkeypatch
+):
+    config = tmp_path / "config.py"
+    config.write_text(LINEAR_CONFIG)
+
+    def too_large(*args):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(os, "posix_fallocate", too_large)  # the first buffer file, in training
+    argv = ["update", "--config-file", str(config), "--output-state", str(tmp_path / "out")]
+    argv += ["--buffer-storage", "mapped", "--epochs", "1", "--memory-size", "8"]
+    argv += ["--batch-size", "8", "--memory-batch-size", "4", "--device", "cpu", "--no-progress"]
+    one_line_cli_error(capsys, argv, "file-size limit")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_mapped_buffer_for_a_new_nested_output_works_beside_it_not_in_the_temp_folder(tmp_path):
+    """The output's parent does not exist yet: its nearest existing ancestor, on its disk."""
+    updater = _mapped_updater(tmp_path / "new" / "nested" / "out")
+    assert str(updater.learner_instance.buffer.folder) == str(tmp_path)
+
+
+def test_mapped_storage_without_a_mapped_herding_buffer_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"buffer_storage='mapped' has no 'herding' buffer"):
+        ModelUpdater(
+            torch.nn.Linear(4, 3),
+            learner="icarl",
+            buffer="herding",
+            learner_kwargs={"memory_size": 6},
+            trainer_kwargs={"device": "cpu", "max_epochs": 1},
+            buffer_storage="mapped",
+            output_state_folder=tmp_path / "out",
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mapped_herding_buffer_is_refused_in_one_line(tmp_path: Any, capsys: Any) -> None:
+    # There is no memory-mapped HerdingBuffer: ModelUpdater raised a KeyError when it made the
+    # buffer, and the command line printed a traceback (exit 1).
+    with pytest.raises(ValueError, match=r"buffer_storage='mapped'.*'herding'"):
+        ModelUpdater(
+            model=small_mlp(),
+            learner="icarl",
+            buffer="herding",
+            buffer_storage="mapped",
+            learner_kwargs={"feature_modules": ["1"], "memory_size": 8},
+        )
+    config = tmp_path / "config.py"
+    config.write_text(
+        "import torch\n"
+        "def model_fn():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(16, 4))\n"
+        "def data_fn(chunk_id, seed):\n"
+        "    return torch.randn(16, 8), torch.arange(16) % 4\n"
+    )
+    status = main(
+        ["update", "--config-file", str(config), "--output-state", str(tmp_path / "state"),
+         "--learner", "icarl", "--feature-modules", '["1"]', "--memory-size", "8",
+         "--buffer-storage", "mapped", "--epochs", "1", "--no-progress"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "'herding'" in err, err
+    assert not (tmp_path / "state").exists()

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
-from tests.helpers import run_in_fresh_process
+from tests.helpers import run_in_fresh_process, small_mlp, two_class_task
 from trainer import read_checkpoint
 
 
@@ -163,3 +163,36 @@ def test_an_interrupted_folder_swap_is_repaired_on_read(tmp_path):
     (tmp_path / "s").rename(tmp_path / ".s.old.0123456789abcdef")
     assert read_manifest(tmp_path / "s")["task_ids"] == ["kept"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]
+
+
+def test_the_updaters_loss_probe_sees_the_train_target_transforms_labels():
+    shift = lambda t: t - 10  # noqa: E731
+    updater = ModelUpdater(
+        torch.nn.Linear(4, 4),
+        learner="er",
+        learner_kwargs={"memory_size": 8, "memory_batch_size": 4, "batch_size": 4},
+        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        transforms={"train_target_transform": shift, "buffer_target_transform": shift},
+    )
+    assert updater.update(TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)).steps == 2
+
+
+@pytest.mark.parametrize("learner", ["gdumb", "icarl"])
+def test_model_updater_builds_the_buffer_the_learner_needs_when_none_is_named(learner: str) -> None:
+    # ModelUpdater's default buffer was always the reservoir, which GDumb and iCaRL refuse: a
+    # user had to know to name their buffer (the command line already picked it).
+    kwargs = {"memory_size": 8, "memory_batch_size": 4}
+    if learner == "icarl":
+        kwargs["feature_modules"] = ["1"]
+    updater = ModelUpdater(
+        model=small_mlp(), learner=learner, learner_kwargs=kwargs, trainer_kwargs={"device": "cpu"}
+    )
+    assert updater.update(two_class_task(0)).steps > 0
+
+
+@pytest.mark.parametrize("learner", ["er", "offline-er", "der"])
+def test_the_herding_buffer_is_refused_for_learners_that_do_not_herd(learner: str) -> None:
+    # A HerdingBuffer's update only fills free slots: with any learner but iCaRL the memory
+    # froze after its first memory_size samples, silently.
+    with pytest.raises(ValueError, match="herding"):
+        ModelUpdater(model=small_mlp(), learner=learner, buffer="herding")
