@@ -1,10 +1,12 @@
-"""Small models, data and listeners shared by the trainer tests."""
+"""What the tests share: the repository's root, small models, data and listeners, fresh processes
+and the command line run as a user runs it."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import pathlib
 import sys
 import tempfile
 import traceback
@@ -14,6 +16,10 @@ from typing import Any
 import attrs
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+# The repository's root (the folder holding pyproject.toml), for tests that read its files or run
+# its scripts; one home, so that a test file can move between the folders of tests/.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Modules every child of the fork server needs: importing torch alone takes ~2.5 s, which a
 # test starting ten processes would otherwise pay ten times.
@@ -98,6 +104,40 @@ def make_model(features: int = 6, classes: int = 3, seed: int = 0, dropout: floa
 
 def make_loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = True) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+
+
+def small_mlp() -> torch.nn.Module:
+    """An 8-16-4 MLP (seed 0); module ``"1"`` gives features."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def two_class_task(task: int, n: int = 32, width: int = 8) -> TensorDataset:
+    """``n`` random inputs of ``width`` features, labelled ``2 * task`` or ``2 * task + 1``."""
+    g = torch.Generator().manual_seed(task)
+    inputs = torch.randn(n, width, generator=g)
+    return TensorDataset(inputs, torch.randint(2 * task, 2 * task + 2, (n,), generator=g))
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    """uint8 values as floats in [0, 1]."""
+    return x.float() / 255
+
+
+# A learner's train, test and buffer transforms for the inputs of uint8_task.
+SCALED_TRANSFORMS: dict[str, Any] = {
+    "train_transform": scaled,
+    "test_transform": scaled,
+    "buffer_transform": scaled,
+}
+
+
+def uint8_task(task: int) -> TensorDataset:
+    """uint8 inputs the model can only take through the learner's transforms (as the CIFAR
+    presets keep images): 16 samples of 8 features, labelled ``2 * task`` or ``2 * task + 1``."""
+    g = torch.Generator().manual_seed(task)
+    inputs = torch.randint(0, 255, (16, 8), dtype=torch.uint8, generator=g)
+    return TensorDataset(inputs, torch.randint(2 * task, 2 * task + 2, (16,), generator=g))
 
 
 def classification_step(model: torch.nn.Module):
