@@ -10,17 +10,17 @@ import attrs
 
 from trainer import validators
 
-_METRIC_NAME = "a metric name such as 'val_loss'"
+METRIC_NAME = "a metric name such as 'val_loss'"
 """How argument messages describe a ``monitor`` field."""
 
-_INT_AT_LEAST_1_OR_NONE: Callable[[Any, attrs.Attribute[Any], Any], None] = (
+INT_AT_LEAST_1_OR_NONE: Callable[[Any, attrs.Attribute[Any], Any], None] = (
     attrs.validators.optional(validators.int_at_least(1))
 )
 """A validator for an int >= 1 or None whose message says "an int >= 1" (the shared
 ``int_at_least(1, optional=True)`` says "a positive int or None")."""
 
 
-def _improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:
+def improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:
     """Whether ``value`` beats ``best`` by more than ``min_delta`` (NaN never does)."""
     if math.isnan(value):
         return False
@@ -29,7 +29,7 @@ def _improved(value: float, best: float | None, mode: str, min_delta: float) -> 
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
-def _monitored(owner: Any, monitor: str, metrics: Mapping[str, float]) -> float:
+def monitored(owner: Any, monitor: str, metrics: Mapping[str, float]) -> float:
     """The value of ``monitor`` among ``metrics``; when it is missing, an error listing them."""
     if monitor not in metrics:
         raise ValueError(
@@ -40,7 +40,7 @@ def _monitored(owner: Any, monitor: str, metrics: Mapping[str, float]) -> float:
     return float(metrics[monitor])
 
 
-def _after_pending_saves(trainer: Any, action: Callable[[], Any]) -> None:
+def after_pending_saves(trainer: Any, action: Callable[[], Any]) -> None:
     """Run ``action`` after the checkpoints a listener asked for during this event are written.
 
     ``trainer.save_checkpoint`` called from a listener waits until every listener has handled

@@ -85,7 +85,7 @@ def _learning_rates(raw: list[Any]) -> dict[str, float]:
 
 
 @attrs.define(eq=False)
-class _ScalarLogger(abc.ABC):
+class ScalarLogger(abc.ABC):
     """What the scalar loggers share: which rows to write, and when.
 
     A training row every ``log_every_n_steps`` batches (and one for the remaining batches at

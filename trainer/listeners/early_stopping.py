@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from trainer import validators
-from trainer.listeners._common import _METRIC_NAME, _improved, _monitored
+from trainer.listeners._common import METRIC_NAME, improved, monitored
 
 __all__ = ["EarlyStopping"]
 
@@ -42,7 +42,7 @@ class EarlyStopping:
     """
 
     monitor: str = attrs.field(
-        default="val_loss", validator=validators.non_empty_string(_METRIC_NAME)
+        default="val_loss", validator=validators.non_empty_string(METRIC_NAME)
     )
     mode: str = attrs.field(default="min", validator=validators.one_of("min", "max"))
     patience: int = attrs.field(default=3, validator=validators.int_at_least(1))
@@ -59,10 +59,10 @@ class EarlyStopping:
         self.best_score, self.wait_count, self.stopped_epoch = None, 0, None
 
     def on_validation_end(self, state: Any, metrics: Mapping[str, float]) -> None:
-        value = _monitored(self, self.monitor, metrics)
+        value = monitored(self, self.monitor, metrics)
         if self.check_finite and not math.isfinite(value):
             self._stop(state)
-        elif _improved(value, self.best_score, self.mode, self.min_delta):
+        elif improved(value, self.best_score, self.mode, self.min_delta):
             self.best_score, self.wait_count = value, 0
         else:
             self.wait_count += 1

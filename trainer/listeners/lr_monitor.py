@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from trainer import validators
-from trainer.listeners._common import _INT_AT_LEAST_1_OR_NONE
+from trainer.listeners._common import INT_AT_LEAST_1_OR_NONE
 
 __all__ = ["LearningRateMonitor"]
 
@@ -42,7 +42,7 @@ class LearningRateMonitor:
     """
 
     log_every_n_steps: int = attrs.field(default=1, validator=validators.int_at_least(1))
-    max_history: int | None = attrs.field(default=1000, validator=_INT_AT_LEAST_1_OR_NONE)
+    max_history: int | None = attrs.field(default=1000, validator=INT_AT_LEAST_1_OR_NONE)
     history: list[tuple[int, list[float]]] = attrs.field(init=False, factory=list)
     """``(step, learning rates)`` records, oldest first: the latest ``max_history``."""
 

@@ -10,13 +10,13 @@ from typing import Any
 import attrs
 
 from trainer import validators
-from trainer.listeners._scalar_logger import _ScalarLogger
+from trainer.listeners._scalar_logger import ScalarLogger
 
 __all__ = ["MetricsLogger"]
 
 
 @attrs.define(eq=False)
-class MetricsLogger(_ScalarLogger):
+class MetricsLogger(ScalarLogger):
     """Training and validation scalars to a CSV or JSON-lines file.
 
     Every ``log_every_n_steps`` batches it writes the means since the previous row of the loss

@@ -15,11 +15,11 @@ import attrs
 from trainer import validators
 from trainer.files import fsync_file, fsync_folder
 from trainer.listeners._common import (
-    _INT_AT_LEAST_1_OR_NONE,
-    _METRIC_NAME,
-    _after_pending_saves,
-    _improved,
-    _monitored,
+    INT_AT_LEAST_1_OR_NONE,
+    METRIC_NAME,
+    after_pending_saves,
+    improved,
+    monitored,
 )
 from trainer.state import rank_path
 
@@ -109,10 +109,10 @@ class ModelCheckpoint:
     """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
 
     dirpath: str = attrs.field(converter=os.fspath)
-    every_n_steps: int | None = attrs.field(default=None, validator=_INT_AT_LEAST_1_OR_NONE)
-    every_n_epochs: int | None = attrs.field(default=1, validator=_INT_AT_LEAST_1_OR_NONE)
+    every_n_steps: int | None = attrs.field(default=None, validator=INT_AT_LEAST_1_OR_NONE)
+    every_n_epochs: int | None = attrs.field(default=1, validator=INT_AT_LEAST_1_OR_NONE)
     monitor: str | None = attrs.field(
-        default=None, validator=validators.non_empty_string(_METRIC_NAME, optional=True)
+        default=None, validator=validators.non_empty_string(METRIC_NAME, optional=True)
     )
     mode: str = attrs.field(default="min", validator=validators.one_of("min", "max"))
     save_last: bool = attrs.field(default=True, validator=validators.boolean)
@@ -174,8 +174,8 @@ class ModelCheckpoint:
         if self.monitor is None:
             return
         self._validated = True
-        value = _monitored(self, self.monitor, metrics)
-        if _improved(value, self._best_score, self.mode, 0.0):
+        value = monitored(self, self.monitor, metrics)
+        if improved(value, self._best_score, self.mode, 0.0):
             self._best_score, self._best_step = value, state.global_step
             trainer.save_checkpoint(self.best_model_path)
 
@@ -212,7 +212,7 @@ class ModelCheckpoint:
         path = os.path.join(self.dirpath, name)
         trainer.save_checkpoint(path)
         files = _files_of_this_rank(trainer)
-        _after_pending_saves(trainer, lambda: self._after_periodic(path, dropped, files))
+        after_pending_saves(trainer, lambda: self._after_periodic(path, dropped, files))
 
     def _after_periodic(
         self, path: str, dropped: list[str], files: Callable[[str], list[str]]

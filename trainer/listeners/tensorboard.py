@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from trainer import validators
-from trainer.listeners._scalar_logger import _ScalarLogger
+from trainer.listeners._scalar_logger import ScalarLogger
 
 __all__ = ["TensorBoardLogger"]
 
@@ -25,7 +25,7 @@ def _summary_writer() -> Any:
 
 
 @attrs.define(eq=False)
-class TensorBoardLogger(_ScalarLogger):
+class TensorBoardLogger(ScalarLogger):
     """The scalars of :class:`MetricsLogger`, written with TensorBoard's ``SummaryWriter``.
 
     Each value is a scalar named like the :class:`MetricsLogger` column (``train_loss``, ``lr``,
