@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events import updater as updater_module
+from renate_events.state_folder import manifest as updater_module
 from renate_events.updater import (
     ModelUpdater,
     StateFolderBusyError,
