@@ -1,5 +1,5 @@
 """The named choices of an update and their checks: buffers, where a buffer is stored, optimizers,
-and the keyword arguments of the trainer.
+transforms, and the keyword arguments of the trainer.
 
 One home for :class:`~renate_events.updater.ModelUpdater`, the command line and the state folder's
 manifest schema (:mod:`renate_events.state_folder`), which all check a name against the same
@@ -41,10 +41,10 @@ __all__ = [
     "MAPPED_BUFFERS",
     "MAPPED_TYPES",
     "OPTIMIZERS",
+    "TRANSFORMS",
     "check_known_keys",
     "check_optimizer",
     "default_buffer",
-    "make_buffer",
     "optimizer_factory",
     "trainer_arguments",
 ]
@@ -80,6 +80,16 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 """Optimizer names of ``ModelUpdater(optimizer={"name": ..., **kwargs})``."""
 
+TRANSFORMS = (
+    "train_transform",
+    "train_target_transform",
+    "buffer_transform",
+    "buffer_target_transform",
+    "test_transform",
+)
+"""The transform arguments of :class:`~renate_events.updater.ModelUpdater` (Renate's names),
+passed to the learner."""
+
 
 def default_buffer(learner: str) -> str:
     """The buffer ``learner`` gets when none is named: its method spec's ``default_buffer``.
@@ -90,20 +100,6 @@ def default_buffer(learner: str) -> str:
     """
     spec = METHODS.get(learner)  # an unknown name is the learner field's error, not this one's
     return "reservoir" if spec is None else spec.default_buffer
-
-
-def make_buffer(
-    name: str, storage: str, max_size: int, seed: int, folder: str | None = None
-) -> DataBuffer:
-    """The buffer ``name`` of :data:`BUFFERS` (``storage="memory"``) or of
-    :data:`MAPPED_BUFFERS` (``"mapped"``, its unnamed working files made in ``folder``).
-
-    Raises:
-        ValueError: A mapped buffer's ``folder`` cannot hold its working files.
-    """
-    if storage == "memory":
-        return BUFFERS[name](max_size=max_size, seed=seed)
-    return MAPPED_BUFFERS[name](max_size=max_size, seed=seed, folder=folder, unlinked=True)
 
 
 def check_optimizer(name: str, value: Any) -> None:

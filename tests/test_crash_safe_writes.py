@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from renate_events.updater import read_manifest
+from renate_events.state_folder import read_manifest
 from trainer import read_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -26,9 +26,10 @@ well; the next update writes them as version 2.
 
 Writing and reading (the rules of ``docs/guarantees.rst``, "State folders"):
 
-- A writer holds the exclusive lock ``.<name>.lock`` beside the folder (:class:`trainer.files.
-  FileLock`) while it stages the new folder beside the old one (``.<name>.staging.<hex>``) and
-  swaps it in; readers hold the shared lock while they read, so they never see a swap half done.
+- A writer holds the exclusive lock ``.<name>.lock`` beside the folder
+  (:class:`trainer.files.FileLock`) while it stages the new folder beside the old one
+  (``.<name>.staging.<hex>``) and swaps it in; readers hold the shared lock while they read, so
+  they never see a swap half done.
 - A crash between the swap's two renames leaves the old folder under ``.<name>.old.<hex>``; it is
   moved back under the exclusive lock, which a live writer would hold, so a reader never repairs
   a swap in progress.
@@ -41,11 +42,10 @@ Writing and reading (the rules of ``docs/guarantees.rst``, "State folders"):
   checksum before anything of it is used. Nothing is pickled.
 
 The modules: :mod:`~renate_events.state_folder.manifest` (the format and its schema),
-:mod:`~renate_events.state_folder.locks` (locks, reading under them, tokens),
-:mod:`~renate_events.state_folder.swap` (stage and swap),
-:mod:`~renate_events.state_folder.recovery` (interrupted swaps and leftovers) and
-:mod:`~renate_events.state_folder.errors`. :class:`~renate_events.updater.ModelUpdater` writes
-and reads state folders through them; nothing here knows the updater.
+``locks`` (locks, reading under them, tokens), ``contents`` (the files besides the manifest,
+written and loaded), ``swap`` (stage and swap), ``recovery`` (interrupted swaps and leftovers)
+and ``errors``. :class:`~renate_events.updater.ModelUpdater` writes and reads state folders
+through them; nothing here knows the updater.
 
 Example:
     >>> import tempfile

@@ -2,9 +2,9 @@
 exclusive and shared locks, a read that no swap disturbs, and what a folder holds
 (:func:`state_token`, :func:`read_manifest`).
 
-A writer holds the exclusive lock ``.<name>.lock`` beside the folder (:class:`trainer.files.
-FileLock`) from staging to the end of its swap; readers hold the shared lock, or none at all
-where no writer ever came (see :func:`read_consistent`).
+A writer holds the exclusive lock ``.<name>.lock`` beside the folder
+(:class:`trainer.files.FileLock`) from staging to the end of its swap; readers hold the shared
+lock, or none at all where no writer ever came (see :func:`read_consistent`).
 """
 
 from __future__ import annotations

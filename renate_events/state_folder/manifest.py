@@ -101,7 +101,7 @@ _HISTORY_KEYS = frozenset(
 def read_verified(folder: str) -> tuple[dict[str, Any], str]:
     """The manifest, checked against the schema and the files' checksums, and its token.
 
-    The caller keeps writers away (see :mod:`renate_events.state_folder.locks`).
+    The caller keeps writers away (see :func:`~renate_events.state_folder.read_manifest`).
     """
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):

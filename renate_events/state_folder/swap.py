@@ -103,7 +103,7 @@ def stage(
     """Take the exclusive lock, check the destination, write the new folder beside it.
 
     Args:
-        folder: The destination, as :func:`~renate_events.state_folder.locks.folder_key` gives it.
+        folder: The destination, as :func:`~renate_events.state_folder.folder_key` gives it.
         learner: Whose state is written.
         manifest: The manifest without ``files`` (added here, with every file's checksum).
         expected: What ``folder`` must still hold (its token; None: nothing, or an empty folder).

@@ -1,9 +1,9 @@
 """Production-style continual updates: one model update per new chunk of data, state in folders.
 
 :class:`ModelUpdater` runs the updates; what a state folder holds, and how it is written and read
-safely, is :mod:`renate_events.state_folder`'s (re-exported here: :func:`read_manifest`,
-:func:`state_token`, :class:`StagedStateFolder` and the errors). The names an update chooses from
-(:data:`BUFFERS`, :data:`BUFFER_STORAGES`, :data:`OPTIMIZERS`, :func:`default_buffer`) are
+safely, is :mod:`renate_events.state_folder`'s (re-exported here: ``read_manifest``,
+``state_token``, ``StagedStateFolder`` and the errors). The names an update chooses from
+(``BUFFERS``, ``BUFFER_STORAGES``, ``OPTIMIZERS``, ``TRANSFORMS``, ``default_buffer``) are
 :mod:`renate_events.choices`'.
 
 The modules of this package: ``_updater`` (the class), ``_arguments`` (checks of its arguments),
@@ -12,7 +12,7 @@ and the validation memory), ``_records`` (what the manifest records of an update
 ``_config_file`` (the config file's arguments, record and check) and ``_errors``.
 """
 
-from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS, default_buffer
+from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS, TRANSFORMS, default_buffer
 from renate_events.state_folder import (
     StagedStateFolder,
     StateFolderBusyError,
@@ -21,7 +21,6 @@ from renate_events.state_folder import (
     read_manifest,
     state_token,
 )
-from renate_events.updater._arguments import TRANSFORMS
 from renate_events.updater._config_file import check_config_file
 from renate_events.updater._errors import UpdateInputError
 from renate_events.updater._probes import dataset_tensors

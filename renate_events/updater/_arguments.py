@@ -1,5 +1,5 @@
 """The checks of :class:`~renate_events.updater.ModelUpdater`'s arguments, each alone (attrs
-validators and converters) and together (:func:`check_choices`)."""
+validators and converters) and together (:func:`check_early_stopping`, :func:`check_buffer`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import attrs
 
 from renate_events.choices import (
     MAPPED_BUFFERS,
+    TRANSFORMS,
     check_known_keys,
     check_optimizer,
     trainer_arguments,
@@ -21,8 +22,8 @@ from renate_events.state_folder import StateFolderError, folder_key
 from trainer import validators as checks
 
 __all__ = [
-    "TRANSFORMS",
-    "check_choices",
+    "check_buffer",
+    "check_early_stopping",
     "check_folder",
     "check_json_object",
     "check_learner_kwargs",
@@ -35,15 +36,6 @@ __all__ = [
     "metrics_mapping",
     "optional_callable",
 ]
-
-TRANSFORMS = (
-    "train_transform",
-    "train_target_transform",
-    "buffer_transform",
-    "buffer_target_transform",
-    "test_transform",
-)
-"""The transform arguments of :class:`ModelUpdater` (Renate's names), passed to the learner."""
 
 
 def check_json_object(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -132,16 +124,17 @@ def check_transforms(instance: Any, attribute: attrs.Attribute[Any], value: Any)
             raise checks.WrongTypeError(f"{name}[{key!r}] must be a callable, got {function!r}")
 
 
-def check_choices(
-    learner: str, buffer: str, buffer_storage: str, metric: str | None, early_stopping: bool
-) -> None:
-    """The arguments that must fit together: early stopping and its metric, the learner and its
-    buffer, the buffer and its storage."""
-    if early_stopping and metric is None:
+def check_early_stopping(enabled: bool, metric: str | None) -> None:
+    """Early stopping has a metric to watch."""
+    if enabled and metric is None:
         raise ValueError(
             "ModelUpdater.early_stopping_enabled needs a metric to watch: pass metric="
             "'val_loss' (and mode='min') or another validation metric"
         )
+
+
+def check_buffer(learner: str, buffer: str, buffer_storage: str) -> None:
+    """The learner takes the buffer, and the buffer's storage has it."""
     spec = method(learner)
     if buffer not in spec.buffers:
         raise ValueError(

@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.choices import TRANSFORMS
 from renate_events.config import ConfigFile, load_config
-from renate_events.updater._arguments import TRANSFORMS
 from renate_events.updater._errors import UpdateInputError
 
 __all__ = [

@@ -31,7 +31,8 @@ from renate_events.state_folder import (
 )
 from renate_events.state_folder.contents import load_state
 from renate_events.updater._arguments import (
-    check_choices,
+    check_buffer,
+    check_early_stopping,
     check_folder,
     check_json_object,
     check_learner_kwargs,
@@ -90,10 +91,10 @@ class ModelUpdater:
         optimizer: ``{"name": "adam" | "adamw" | "sgd", **kwargs}``, or a factory
             ``f(params)`` returning a ``torch.optim.Optimizer``; a fresh optimizer is made for
             every update (Renate's behaviour).
-        buffer: A name from :data:`BUFFERS` (used by learners with a memory); by default the
-            learner's (:func:`default_buffer`: ``"greedy-class-balancing"`` for ``"gdumb"``,
-            which needs it, ``"herding"`` for ``"icarl"``, which needs it, else
-            ``"reservoir"``).
+        buffer: A name from :data:`~renate_events.choices.BUFFERS` (used by learners with a
+            memory); by default the learner's (:func:`~renate_events.choices.default_buffer`:
+            ``"greedy-class-balancing"`` for ``"gdumb"``, which needs it, ``"herding"`` for
+            ``"icarl"``, which needs it, else ``"reservoir"``).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
             ``precision``, ...).
         metadata: Anything JSON-able to keep in the manifest (the command line stores how to
@@ -104,7 +105,7 @@ class ModelUpdater:
             ``in_place``.
         in_place: Allow ``output_state_folder`` to be ``input_state_folder``.
         lock_timeout: Seconds to wait for another process's lock on a state folder before
-            :class:`StateFolderBusyError`.
+            :class:`~renate_events.state_folder.StateFolderBusyError`.
         loss_fn: ``(outputs, targets) -> losses`` (default: the learner's cross-entropy).
         learning_rate_scheduler: ``f(optimizer)`` returning a scheduler, made for every update.
         learning_rate_scheduler_interval: ``"epoch"`` or ``"step"``.
@@ -112,8 +113,8 @@ class ModelUpdater:
             is kept in the state folder, so later updates must subscribe the same ones).
         metrics: ``{name: fn(outputs, targets)}``, reported by validation as ``val_<name>``.
         collate_fn: The ``DataLoader`` collate function for datasets that are not tensors.
-        transforms: Functions on whole batches under Renate's names (:data:`TRANSFORMS`),
-            passed to the learner.
+        transforms: Functions on whole batches under Renate's names
+            (:data:`~renate_events.choices.TRANSFORMS`), passed to the learner.
         metric: A validation metric (``"val_loss"``, ``"val_accuracy"``, ``"val_<name>"``): the
             output state holds the model's weights from the validation where it was best, and
             early stopping watches it. None: the weights after the last epoch.
@@ -133,10 +134,11 @@ class ModelUpdater:
         accept_config_change: Allow a config file that differs from the state folder's.
         architecture: The model's name for ``model.json`` (default: the model's
             ``architecture`` attribute, or its class name).
-        buffer_storage: A name from :data:`BUFFER_STORAGES`. ``"mapped"`` keeps the buffer in
-            memory-mapped files (for buffers larger than RAM); the state folder then holds the
-            buffer's snapshot files ``buffer.g<generation>.<i>.bin`` beside the checkpoint. The
-            choice is recorded, and a later update must make the same one.
+        buffer_storage: A name from :data:`~renate_events.choices.BUFFER_STORAGES`.
+            ``"mapped"`` keeps the buffer in memory-mapped files (for buffers larger than RAM);
+            the state folder then holds the buffer's snapshot files
+            ``buffer.g<generation>.<i>.bin`` beside the checkpoint. The choice is recorded, and a
+            later update must make the same one.
         buffer_folder: Where a mapped buffer's working files are made while it is in use
             (default: the output state folder's parent, or its nearest existing ancestor, else
             the input's, else the system's temporary folder); they have no name there, so
@@ -145,7 +147,8 @@ class ModelUpdater:
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
-            be written; after training, :class:`StateFolderConflictError` when it changed.
+            be written; after training,
+            :class:`~renate_events.state_folder.StateFolderConflictError` when it changed.
         UpdateInputError: From :meth:`update`, before training, when the data does not fit.
 
     Example:
@@ -246,13 +249,8 @@ class ModelUpdater:
         if self.mode is None:  # an accuracy is better when higher; anything else (a loss) lower
             accuracy = self.metric is not None and self.metric.endswith("accuracy")
             self.mode = "max" if accuracy else "min"
-        check_choices(
-            self.learner,
-            self.buffer,
-            self.buffer_storage,
-            self.metric,
-            self.early_stopping_enabled,
-        )
+        check_early_stopping(self.early_stopping_enabled, self.metric)
+        check_buffer(self.learner, self.buffer, self.buffer_storage)
 
     @classmethod
     def from_config(
@@ -328,8 +326,8 @@ class ModelUpdater:
 
     def write_output(self, files: Mapping[str, bytes] | None = None) -> None:
         """Write the state to ``output_state_folder`` if it still holds what it held when the
-        last update started (else :class:`StateFolderConflictError`); ``files`` adds optional
-        files (``search.csv``)."""
+        last update started (else :class:`~renate_events.state_folder.StateFolderConflictError`);
+        ``files`` adds optional files (``search.csv``)."""
         if self.output_state_folder is None:
             raise ValueError("ModelUpdater.write_output: no output_state_folder is set")
         expected = self._expected_output()
@@ -349,18 +347,20 @@ class ModelUpdater:
     ) -> StagedStateFolder:
         """Write the current state beside ``folder``, ready to be swapped in.
 
-        Holds ``folder``'s exclusive lock until :meth:`StagedStateFolder.commit` or
-        :meth:`StagedStateFolder.abort`: several folders can be staged first and committed
-        together once all of them were written.
+        Holds ``folder``'s exclusive lock until the staged folder's ``commit`` or ``abort``
+        (:class:`~renate_events.state_folder.StagedStateFolder`): several folders can be staged
+        first and committed together once all of them were written.
 
         Args:
             folder: The state folder to replace (or create).
-            expected: What ``folder`` must still hold: :func:`state_token`'s answer from before
-                the update started (None: nothing, or an empty folder).
+            expected: What ``folder`` must still hold: the answer of
+                :func:`~renate_events.state_folder.state_token` from before the update started
+                (None: nothing, or an empty folder).
 
         Raises:
             StateFolderConflictError: ``folder`` holds something else now.
-            StateFolderError: ``folder`` may not be replaced (see :func:`state_token`).
+            StateFolderError: ``folder`` may not be replaced (see
+                :func:`~renate_events.state_folder.state_token`).
             StateFolderBusyError: Another process held the lock for ``lock_timeout`` seconds.
             trainer.CheckpointError: The folder could not be written (disk full, file-size
                 limit, permissions); nothing was changed and nothing is left behind.
