@@ -21,11 +21,11 @@ import time
 import torch
 
 from renate_events import evaluation
+from renate_events.choices import BUFFERS
 from renate_events.cli import _mlp
 from renate_events.learners import ICaRLLearner
 from renate_events.methods import LEARNERS
 from renate_events.scenarios import split_digits
-from renate_events.updater import BUFFERS
 from trainer import Trainer
 
 METHODS = {

@@ -48,7 +48,7 @@ def main() -> list[str]:
                 f"{sorted(p.name for p in folder.iterdir())}"
             )
             previous = folder
-        from renate_events.updater import read_manifest
+        from renate_events.state_folder import read_manifest
 
         task_ids = read_manifest(previous)["task_ids"]
     print("updates recorded:", task_ids)

@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS, default_buffer
 from renate_events.config import ConfigError, ConfigFile, load_config
 from renate_events.hyperparameters import HyperparameterError, check_value, hyperparameters
 from renate_events.inference import forward, inference, model_device, outputs_in_batches
@@ -47,20 +48,13 @@ from renate_events.models import MODELS, build_model
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
-from renate_events.updater import (
-    BUFFER_STORAGES,
-    BUFFERS,
-    OPTIMIZERS,
-    ModelUpdater,
+from renate_events.state_folder import (
     StagedStateFolder,
     StateFolderError,
-    UpdateInputError,
-    check_config_file,
-    dataset_tensors,
-    default_buffer,
     read_manifest,
     state_token,
 )
+from renate_events.updater import ModelUpdater, UpdateInputError, check_config_file, dataset_tensors
 from trainer import CheckpointError, NonFiniteLossError
 from trainer import validators as checks
 from trainer.exceptions import ListenerError

@@ -250,6 +250,11 @@ class ConfigFile:
         """Whether the file defines ``name``."""
         return name in self.functions
 
+    def frame_of(self, exc: BaseException) -> str:
+        """`` (my_config.py, line 12: return x / 0)`` where ``exc`` was raised inside this file
+        (its innermost frame there), else ``""``."""
+        return _own_frame(self.path, exc)
+
     def call(self, name: str, *args: Any) -> Any:
         """Call ``name`` with ``args``; an exception inside it becomes a :class:`ConfigError`
         naming the function and the file's line."""

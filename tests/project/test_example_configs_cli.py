@@ -13,7 +13,8 @@ import torch
 from renate_events import evaluation
 from renate_events.cli import _ChunkTask, _for_evaluation
 from renate_events.config import load_config
-from renate_events.updater import ModelUpdater, dataset_tensors, read_manifest
+from renate_events.state_folder import read_manifest
+from renate_events.updater import ModelUpdater, dataset_tensors
 from tests.helpers import ROOT, run_cli
 from tests.renate_events.test_datasets_cifar import write_cifar10
 

@@ -77,6 +77,15 @@ def test_ruff_complexity_rule_is_on():
     assert re.search(r"max-complexity = 15", config)
 
 
+def test_the_state_folder_and_the_choices_never_import_the_updater():
+    # The updater uses the state folder and the registries of choices, never the other way round.
+    pattern = re.compile(r"^\s*(from|import)\s+renate_events\.(updater|cli)\b", re.MULTILINE)
+    lower = [*(ROOT / "renate_events" / "state_folder").rglob("*.py")]
+    lower.append(ROOT / "renate_events" / "choices.py")
+    importers = [str(p.relative_to(ROOT)) for p in lower if pattern.search(p.read_text())]
+    assert importers == []
+
+
 # -- boundaries of issue 24: one home per concept ---------------------------------------------
 
 MAX_MODULE_LINES = 800

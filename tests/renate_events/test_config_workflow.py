@@ -17,12 +17,8 @@ from torch.utils.data import TensorDataset
 
 from renate_events.cli import main
 from renate_events.config import load_config
-from renate_events.updater import (
-    ModelUpdater,
-    StateFolderError,
-    UpdateInputError,
-    read_manifest,
-)
+from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.updater import ModelUpdater, UpdateInputError
 from tests.helpers import run_cli
 
 CONFIG = """

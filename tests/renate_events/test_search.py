@@ -17,7 +17,7 @@ from renate_events.search import (
     earlier_best,
     parse_space,
 )
-from renate_events.updater import read_manifest
+from renate_events.state_folder import read_manifest
 
 optuna = pytest.importorskip("optuna")
 

@@ -32,7 +32,7 @@ for number in range(1, 10**6):
         for parameter in model.parameters():
             parameter.fill_(float(number))
     if kind == "folder":
-        from renate_events.updater import _write_state_folder
+        from renate_events.state_folder import write_state_folder as _write_state_folder
 
         _write_state_folder(folder, learner, updater._manifest_now())
     else:

@@ -22,7 +22,8 @@ from renate_events.learners import (
 )
 from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
 from renate_events.scenarios import Task
-from renate_events.updater import ModelUpdater, StateFolderError, UpdateInputError
+from renate_events.state_folder import StateFolderError
+from renate_events.updater import ModelUpdater, UpdateInputError
 from trainer import Trainer
 from trainer.validators import WrongTypeError
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from renate_events.updater import read_manifest
+from renate_events.state_folder import read_manifest
 from tests.helpers import ROOT
 from trainer import read_checkpoint
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events import updater as updater_module
-from renate_events.updater import (
-    ModelUpdater,
+from renate_events.state_folder import (
     StateFolderBusyError,
     StateFolderConflictError,
     StateFolderError,
     read_manifest,
     state_token,
 )
+from renate_events.state_folder import manifest as updater_module
+from renate_events.updater import ModelUpdater
 from tests.helpers import ROOT
 from trainer import CheckpointError
 from trainer.files import FileLock, lock_path

@@ -15,12 +15,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.cli import _mlp
-from renate_events.updater import (
-    ModelUpdater,
-    StateFolderBusyError,
-    StateFolderConflictError,
-    read_manifest,
-)
+from renate_events.state_folder import StateFolderBusyError, StateFolderConflictError, read_manifest
+from renate_events.updater import ModelUpdater
 from tests.helpers import fresh_processes, run_cli
 
 ROUNDS = 30

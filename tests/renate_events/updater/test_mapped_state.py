@@ -20,12 +20,8 @@ from torch.utils.data import TensorDataset
 
 from renate_events.cli import main
 from renate_events.memory.mapped import MappedReservoirBuffer
-from renate_events.updater import (
-    ModelUpdater,
-    StateFolderError,
-    UpdateInputError,
-    read_manifest,
-)
+from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.updater import ModelUpdater, UpdateInputError
 from tests.helpers import one_line_cli_error, run_in_fresh_process, small_mlp
 from trainer import CheckpointError, read_checkpoint
 from trainer.exceptions import ListenerError

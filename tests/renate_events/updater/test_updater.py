@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.updater import ModelUpdater, StateFolderError, read_manifest
+from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.updater import ModelUpdater
 from tests.helpers import run_in_fresh_process, small_mlp, two_class_task
 from trainer import read_checkpoint
 

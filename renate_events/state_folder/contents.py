@@ -1,0 +1,152 @@
+"""The contents of a state folder besides its manifest: the learner's checkpoint (with a mapped
+buffer's snapshot files), the model alone and its card; written into a staging folder
+(:func:`write_contents`, the manifest last, with every file's checksum) and loaded back into a
+learner (:func:`load_state`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import safetensors.torch
+
+from renate_events.choices import MAPPED_TYPES
+from renate_events.learners import BaseExperienceReplayLearner
+from renate_events.memory.mapped import MappedFileError
+from renate_events.state_folder.errors import StateFolderError
+from renate_events.state_folder.locks import read_consistent
+from renate_events.state_folder.manifest import (
+    BUFFER_FILE,
+    CHECKPOINT,
+    FILES,
+    MANIFEST,
+    MODEL,
+    MODEL_CARD,
+    OPTIONAL_FILES,
+    check_manifest,
+    read_verified,
+    upgraded,
+)
+from trainer import CheckpointError
+from trainer.exceptions import ListenerError
+from trainer.files import fsync_folder, sha256_of_file
+
+__all__ = ["load_state", "mapped_files", "write_contents"]
+
+
+def load_state(
+    folder: str,
+    learner: BaseExperienceReplayLearner,
+    timeout: float,
+    prepare: Callable[[dict[str, Any]], None],
+) -> tuple[dict[str, Any], str]:
+    """Load the state of ``folder`` into ``learner``, with no writer swapping it meanwhile.
+
+    The manifest is read and verified (a version-1 one in the shape of version 2) and handed to
+    ``prepare``, which may refuse it or subscribe the listeners whose state the checkpoint holds;
+    then the checkpoint is loaded.
+
+    Returns:
+        The manifest and its token (:func:`~renate_events.state_folder.state_token`).
+    """
+
+    def load() -> tuple[dict[str, Any], str]:
+        manifest, token = read_verified(folder)
+        manifest = upgraded(manifest)
+        prepare(manifest)
+        with mapped_files(learner, "snapshots_from", folder):
+            learner.load_checkpoint(os.path.join(folder, CHECKPOINT))
+        return manifest, token
+
+    return read_consistent(folder, timeout, load)
+
+
+def write_contents(
+    staging: str,
+    learner: BaseExperienceReplayLearner,
+    manifest: dict,
+    extra: Mapping[str, bytes],
+) -> str:
+    """Write the checkpoint, the model alone, its card, the ``extra`` files (of
+    ``OPTIONAL_FILES``) and the manifest into ``staging``; return the manifest's token."""
+    checkpoint = os.path.join(staging, CHECKPOINT)
+    with mapped_files(learner, "snapshots_to", staging):  # a mapped buffer's files go there
+        learner.save_checkpoint(checkpoint)
+    buffer_files = sorted(name for name in os.listdir(staging) if BUFFER_FILE.fullmatch(name))
+    model_file = os.path.join(staging, MODEL)
+    weights = {  # copies: tied or non-contiguous tensors are saved whole, each under its name
+        name: tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in learner.model.state_dict().items()
+    }
+    safetensors.torch.save_file(weights, model_file, metadata={"format": "pt"})
+    card = os.path.join(staging, MODEL_CARD)
+    _write_json(card, _model_card(manifest))
+    for name, data in extra.items():
+        if name not in OPTIONAL_FILES:
+            raise ValueError(f"a state folder holds no file {name!r}; it may hold {OPTIONAL_FILES}")
+        with open(os.path.join(staging, name), "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    files = {
+        name: sha256_of_file(os.path.join(staging, name))
+        for name in (*FILES, *extra, *buffer_files)
+    }
+    manifest = {**manifest, "files": files}
+    check_manifest(os.path.join(staging, MANIFEST), manifest)
+    raw = _write_json(os.path.join(staging, MANIFEST), manifest)
+    fsync_folder(staging)
+    return hashlib.sha256(raw).hexdigest()
+
+
+@contextmanager
+def mapped_files(learner: BaseExperienceReplayLearner, which: str, folder: str) -> Iterator[None]:
+    """A context in which the learner's mapped buffer (if it has one) writes (``which`` is
+    ``"snapshots_to"``) or reads (``"snapshots_from"``) its snapshot files in ``folder``; its
+    file errors (a full disk, a file of the wrong size) come out as :class:`trainer.
+    CheckpointError` (writing) or :class:`StateFolderError` (reading), not inside the trainer's
+    ``ListenerError``. So does, reading, any listener refusing the state the folder's checkpoint
+    holds for it (a component's key out of range): the folder is bad, not the program."""
+    buffer = getattr(learner, "buffer", None)
+    with getattr(buffer, which)(folder) if isinstance(buffer, MAPPED_TYPES) else nullcontext():
+        try:
+            yield
+        except ListenerError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, MappedFileError):
+                error = CheckpointError if which == "snapshots_to" else StateFolderError
+                raise error(f"{folder}: {cause}") from exc
+            if which == "snapshots_to" or exc.event != "load_checkpoint":
+                raise
+            raise StateFolderError(f"{os.path.join(folder, CHECKPOINT)}: {exc}") from exc
+
+
+def _model_card(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.json``: what a deployment needs to know about ``model.safetensors``."""
+    config = manifest["config"]
+    return {
+        "format": "renate_events.model",
+        "format_version": 1,
+        "architecture": manifest["architecture"],
+        "config_sha256": None if config is None else config["sha256"],
+        "parameters": manifest["model"],
+        "learner": manifest["learner"],
+        "updates": [
+            {key: record.get(key) for key in ("task_id", "steps", "metrics", "best")}
+            for record in manifest["history"]
+        ],
+    }
+
+
+def _write_json(path: str, value: Any) -> bytes:
+    raw = json.dumps(value, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
+    with open(path, "xb") as handle:
+        handle.write(raw)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return raw
