@@ -2,9 +2,9 @@
 
 A :class:`Checkpointer` assembles the checkpoint tree with every listener's
 ``on_save_checkpoint`` output and writes it (one file per rank in a distributed fit), and applies
-a tree that :func:`~trainer.state.check_tree` accepted, rolling the trainer and its listeners back
-if anything fails on the way. The tree itself is :mod:`trainer.state`'s business, the file format
-:mod:`trainer.checkpoint`'s.
+a tree that :func:`~trainer.state_checks.check_tree` accepted, rolling the trainer and its
+listeners back if anything fails on the way. The tree itself is :mod:`trainer.state`'s business,
+the file format :mod:`trainer.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from trainer.checkpoint import read_checkpoint, write_checkpoint
 from trainer.exceptions import ListenerError
 from trainer.run import restore_attachments
 from trainer.state import ListenerStates
+from trainer.state_checks import check_tree
 
 __all__ = ["Checkpointer", "Resume", "check_attachable"]
 
@@ -139,7 +140,7 @@ class Checkpointer:
         """
         ctx = self._trainer.dist
         tree = _state.merge_rank_state(path, read_checkpoint(path), ctx.rank, ctx.world_size)
-        plan = _state.check_tree(
+        plan = check_tree(
             path,
             tree,
             self._trainer,
@@ -235,7 +236,8 @@ class Checkpointer:
     def apply(
         self, path: str, tree: dict[str, Any], plan: list[str], *, loader: Any = None
     ) -> None:
-        """Restore a checkpoint that :func:`~trainer.state.check_tree` accepted, all or nothing.
+        """Restore a checkpoint that :func:`~trainer.state_checks.check_tree` accepted, all or
+        nothing.
 
         If anything fails on the way (a listener refusing its state, say), the model, optimizer,
         scheduler, grad scaler, progress, RNG and the listeners that already received their
