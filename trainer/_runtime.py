@@ -149,6 +149,11 @@ def seed_everything(seed: int) -> None:
 # -- optimizer state dicts -----------------------------------------------------------------------
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``optimizer``, group by group, in its state dict's order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_state_to_tree(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Optimizer ``state_dict()`` with its integer parameter ids as string keys (JSON needs str)."""
     return {

@@ -338,7 +338,7 @@ def test_model_checkpoint_copies_last_and_syncs_the_copy_where_hard_links_fail(
 
 
 def test_model_checkpoint_never_deletes_before_the_new_file_is_written(tmp_path, monkeypatch):
-    import trainer.trainer as trainer_module
+    import trainer.checkpointing as trainer_module
 
     written: list[str] = []
     write = trainer_module.write_checkpoint
