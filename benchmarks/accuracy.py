@@ -22,7 +22,7 @@ import torch
 
 from renate_events import evaluation
 from renate_events.choices import BUFFERS
-from renate_events.cli import _mlp
+from renate_events.cli._zoo import mlp
 from renate_events.learners import ICaRLLearner
 from renate_events.methods import LEARNERS
 from renate_events.scenarios import split_digits
@@ -57,7 +57,7 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     name, extra = METHODS[method]
     tasks = split_digits(seed=seed).tasks()
     torch.manual_seed(seed)
-    model = _mlp(64, [256], 10)
+    model = mlp(64, [256], 10)
     kwargs = {"memory_batch_size": 32, "batch_size": 32, "seed": seed, **extra}
     if name not in MEMORY_FREE:
         kwargs["memory_size"] = 200

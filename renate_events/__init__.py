@@ -7,6 +7,7 @@ Subpackages and modules:
         plus the fine-tuning and joint baselines.
     scenarios, datasets, evaluation: tasks from a dataset, offline data readers, metrics.
     updater: ``ModelUpdater``, one update per new chunk of data through state folders.
+    settings: every option of the command line, defined once.
     cli: the ``renate-events`` command.
 
 Example:

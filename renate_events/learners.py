@@ -333,7 +333,7 @@ class BaseExperienceReplayLearner:
         loss_fn: ``loss_fn(outputs, targets)``, per-sample or scalar; its mean is the loss.
         optimizer: An optimizer factory ``f(parameters)`` called at the start of every
             ``fit`` (Renate's behaviour: each update starts with fresh optimizer state), or an
-            optimizer instance reused across fits. Default: Adam with learning rate 3e-4.
+            optimizer instance reused across fits. Default: Adam with learning rate 1e-3.
         components: Named components (a mapping, kept in order) or a sequence (named after their
             classes). A preset (``ExperienceReplayLearner``, ...) runs them after its own; one
             under the name of a preset component (``"memory_loss"``, ...) takes that
@@ -414,12 +414,12 @@ class BaseExperienceReplayLearner:
         default=F.cross_entropy, validator=validators.is_callable("(outputs, targets) -> loss")
     )
     optimizer: torch.optim.Optimizer | OptimizerFactory = attrs.field(
-        default=functools.partial(torch.optim.Adam, lr=3e-4)
+        default=functools.partial(torch.optim.Adam, lr=1e-3)
     )
     components: Mapping[str, Component] | Sequence[Component] = attrs.field(
         factory=dict, converter=_named_components
     )
-    memory_size: int = attrs.field(default=32, validator=validators.int_at_least(0))
+    memory_size: int = attrs.field(default=200, validator=validators.int_at_least(0))
     memory_batch_size: int = attrs.field(default=32, validator=validators.int_at_least(1))
     batch_size: int = attrs.field(default=32, validator=validators.int_at_least(1))
     batch_memory_frac: float | None = attrs.field(

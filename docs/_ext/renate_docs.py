@@ -109,9 +109,9 @@ def common_keywords_role(name, rawtext, text, lineno, inliner, options=None, con
 
 
 def _cli_parser() -> argparse.ArgumentParser:
-    from renate_events import cli
+    from renate_events.cli._parser import build_parser
 
-    return cli._parser()  # the parser `renate-events` itself uses
+    return build_parser()  # the parser `renate-events` itself uses
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -186,6 +186,46 @@ class CliReference(_RstDirective):
             rows.append([_flags(action), _values(action), default, help_text])
         out += _list_table(["option", "values", "default", "meaning"], rows, widths="26 22 14 38")
         return out
+
+
+def _python_argument(target: str) -> str:
+    """``module:Owner.argument[key]`` as the docs name it: ``Owner.argument[key]``."""
+    return "``" + target.split(":", 1)[1] + "``"
+
+
+class SettingsReference(_RstDirective):
+    """Every setting of renate_events.settings: its commands, default and Python arguments."""
+
+    def rst_lines(self) -> list[str]:
+        from renate_events.settings import SETTINGS, commands_of
+
+        rows = []
+        for entry in SETTINGS.values():
+            commands = ", ".join(commands_of(entry.name))
+            default = _settings_default(entry)
+            targets = " | ".join(map(_python_argument, entry.maps_onto)) or "—"
+            rows.append([f"``{entry.flag}``", commands, default, targets])
+        return _list_table(
+            ["setting", "commands", "default", "Python argument with the same default"],
+            rows,
+            widths="26 22 16 36",
+        )
+
+
+def _settings_default(entry: Any) -> str:
+    """The default as the table shows it (a deferred one applies where the command needs it)."""
+    from renate_events.settings import commands_of
+
+    commands = commands_of(entry.name)
+    required = [command for command in commands if entry.for_command(command).required]
+    if required:
+        return "required" + ("" if required == list(commands) else f" ({', '.join(required)})")
+    if entry.kind == "flag":
+        return "off"
+    if entry.default is None and entry.shown is None:
+        return "none"
+    text = f"``{entry.shown_default() or entry.default}``"
+    return f"{text} (where it applies)" if entry.deferred else text
 
 
 # -- learners -------------------------------------------------------------------------------------
@@ -329,6 +369,7 @@ def setup(app: Any) -> dict[str, Any]:
     app.add_directive("event-table", EventTable)
     app.add_role("event-common-keywords", common_keywords_role)
     app.add_directive("cli-reference", CliReference)
+    app.add_directive("settings-reference", SettingsReference)
     app.add_directive("learner-presets", LearnerPresets)
     app.add_directive("learner-arguments", LearnerArguments)
     app.add_directive("public-names", PublicNames)

@@ -171,7 +171,7 @@ class ModelUpdater:
     learner: str = attrs.field(default="der", validator=checks.one_of(*LEARNERS))
     learner_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=check_learner_kwargs)
     optimizer: dict[str, Any] | Callable[..., torch.optim.Optimizer] = attrs.field(
-        factory=lambda: {"name": "adam", "lr": 3e-4}, validator=_optimizer_config
+        factory=lambda: {"name": "adam", "lr": 1e-3}, validator=_optimizer_config
     )
     buffer: str = attrs.field(
         default=attrs.Factory(lambda self: default_buffer(self.learner), takes_self=True),

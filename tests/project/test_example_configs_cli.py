@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from renate_events import evaluation
-from renate_events.cli import _ChunkTask, _for_evaluation
+from renate_events.cli._evaluate import ChunkTask, for_evaluation
 from renate_events.config import load_config
 from renate_events.state_folder import read_manifest
 from renate_events.updater import ModelUpdater, dataset_tensors
@@ -69,7 +69,7 @@ def run_example(config_path, tmp_path, env=None):
     saved = safetensors.torch.load_file(str(s1 / "model.safetensors"))
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
-    evaluated = _for_evaluation(model, config)  # with the config's test transform, if any
+    evaluated = for_evaluation(model, config)  # with the config's test transform, if any
     for chunk, test in enumerate(tests):
         data = torch.utils.data.TensorDataset(*dataset_tensors(test, config.collate(), "test"))
         accuracy = evaluation.evaluate(evaluated, [evaluation_task(chunk, data)])[0]
@@ -80,7 +80,7 @@ def run_example(config_path, tmp_path, env=None):
 
 def evaluation_task(chunk, data):
     classes = tuple(sorted(set(data.tensors[1].tolist())))
-    return _ChunkTask(chunk, None, None, data, classes)
+    return ChunkTask(chunk, None, None, data, classes)
 
 
 # quick_config.py's path through the command line is the one

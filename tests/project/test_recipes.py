@@ -11,7 +11,15 @@ import re
 import pytest
 
 from renate_events import cli
-from renate_events.cli import main
+from renate_events.cli import _results, main
+from renate_events.cli._options import (
+    RunOptions,
+    UpdateOptions,
+    check_options,
+    hyperparameter_values,
+    read_toml,
+)
+from renate_events.cli._parser import parse
 from renate_events.methods import LEARNERS
 from tests.helpers import ROOT
 
@@ -37,7 +45,7 @@ def data_fn(chunk_id, seed):
 
 
 def _recipe(path: pathlib.Path) -> dict:
-    return cli._read_toml(str(path))  # the command line's reader (tomli on Python 3.10)
+    return read_toml(str(path))  # the command line's reader (tomli on Python 3.10)
 
 
 def _check_with_the_cli(path: pathlib.Path, command: str) -> frozenset[str]:
@@ -45,10 +53,10 @@ def _check_with_the_cli(path: pathlib.Path, command: str) -> frozenset[str]:
     type and hyperparameters of another learner raise :class:`cli.UsageError`. Returns the
     names taken from the file."""
     extra = ["--output-state", "unused"] if command == "update" else []
-    _, values, from_file = cli._parse([command, "--config", str(path), *extra])
-    schema = cli._RunOptions if command == "run" else cli._UpdateOptions
-    options = cli._options(schema, values, from_file)
-    cli._hyperparameter_values(values, options.learner, from_file, str(path))
+    _, values, from_file = parse([command, "--config", str(path), *extra])
+    schema = RunOptions if command == "run" else UpdateOptions
+    options = check_options(schema, values, from_file)
+    hyperparameter_values(values, options.learner, from_file, str(path))
     return from_file
 
 
@@ -102,7 +110,7 @@ def test_a_misspelt_or_foreign_key_fails_the_check(tmp_path, line, message):
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
 def test_each_recipe_runs_and_its_values_reach_the_learner(tmp_path, monkeypatch, path):
     pytest.importorskip("sklearn")  # the embedded digits
-    monkeypatch.setattr(cli, "_heatmap", lambda options, runs: None)  # matplotlib: 1 s a run
+    monkeypatch.setattr(_results, "heatmap", lambda options, runs: None)  # matplotlib: 1 s a run
     out = tmp_path / "out"
     assert main(["run", "--config", str(path), *TINY, "--output-dir", str(out)]) == 0
     recipe = _recipe(path)

@@ -10,7 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from renate_events.cli import _IMAGE_DATA, _options, _parse, _resolved_model, _RunOptions, main
+from renate_events.cli import main
+from renate_events.cli._options import RunOptions, check_options
+from renate_events.cli._parser import parse
+from renate_events.cli._zoo import IMAGE_DATA, resolved_model
 from renate_events.scenarios import IMAGE_SCENARIOS
 from tests.helpers import one_line_cli_error
 from tests.renate_events.test_datasets_cifar import write_cifar10, write_cifar100
@@ -121,13 +124,13 @@ def test_run_seq_cifar100_with_the_zoo_mlp(tmp_path):
 
 
 def test_every_image_scenario_has_its_files_described():
-    assert set(_IMAGE_DATA) == set(IMAGE_SCENARIOS)
+    assert set(IMAGE_DATA) == set(IMAGE_SCENARIOS)
 
 
 def test_the_default_models():
     def resolved(*argv):
-        _, values, _ = _parse(["run", *argv])
-        options = _resolved_model(_options(_RunOptions, values))
+        _, values, _ = parse(["run", *argv])
+        options = resolved_model(check_options(RunOptions, values))
         return options.model, options.model_args, options.hidden
 
     assert resolved() == ("mlp", {}, [256])  # as before zoo models: nothing changes

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.cli import _mlp
+from renate_events.cli._zoo import mlp
 from renate_events.state_folder import StateFolderBusyError, StateFolderConflictError, read_manifest
 from renate_events.updater import ModelUpdater
 from tests.helpers import fresh_processes, run_cli
@@ -103,7 +103,7 @@ def test_two_writers_and_a_reader_lose_nothing(tmp_path):
 def _cli_state(folder):
     torch.manual_seed(0)
     ModelUpdater(
-        _mlp(8, [16], 4),
+        mlp(8, [16], 4),
         learner="er",
         learner_kwargs={"memory_size": 20, "memory_batch_size": 4, "batch_size": 8},
         trainer_kwargs={"device": "cpu", "max_epochs": 1},

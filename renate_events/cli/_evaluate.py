@@ -1,0 +1,183 @@
+"""``renate-events evaluate``, and the model as evaluation sees it (through the test transform;
+with the method's own classifier), which ``run`` evaluates too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from renate_events.cli._data_files import fitted, load_data_file
+from renate_events.cli._errors import UsageError
+from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
+from renate_events.cli._updaters import config_updater, updater_from_folder
+from renate_events.cli._zoo import check_data_dir, scenario_tasks
+from renate_events.config import ConfigFile
+from renate_events.inference import forward, inference, model_device
+from renate_events.methods import METHODS, method_of
+from renate_events.state_folder import read_manifest
+from renate_events.updater import dataset_tensors
+
+__all__ = [
+    "ChunkTask",
+    "Transformed",
+    "chunk_test_data",
+    "evaluate",
+    "evaluated",
+    "for_evaluation",
+    "method_classifier",
+]
+
+
+class Transformed(torch.nn.Module):
+    """``model(transform(x))``: a test transform in evaluation."""
+
+    def __init__(self, model: torch.nn.Module, transform: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.transform = transform
+
+    def forward(self, inputs: Any) -> Any:
+        return self.model(self.transform(inputs))
+
+
+def evaluated(model: torch.nn.Module, transforms: Mapping[str, Any]) -> torch.nn.Module:
+    """The model as evaluation sees it: through the test transform of ``transforms``, if any."""
+    test = transforms.get("test_transform")
+    return model if test is None else Transformed(model, test)
+
+
+def for_evaluation(model: torch.nn.Module, config: ConfigFile | None) -> torch.nn.Module:
+    """The model through the config file's test transform, if it defines one."""
+    transform = None if config is None else config.transform("test_transform")
+    return model if transform is None else Transformed(model, transform)
+
+
+@attrs.frozen
+class ChunkTask:
+    """A config file's chunk as :func:`renate_events.evaluation.evaluate` takes a task."""
+
+    task_id: int
+    train: Any
+    val: Any
+    test: torch.utils.data.TensorDataset
+    classes: tuple[int, ...]
+
+
+def chunk_test_data(config: ConfigFile, chunk_id: int, seed: int, val: Any) -> Any:
+    """The test data of a chunk as tensors: ``test_data_fn``'s, else the validation data."""
+    test = config.test_data(chunk_id, seed)
+    if test is None:
+        test = val
+    if test is None:
+        raise UsageError(
+            f"{config.path} defines no test_data_fn and data_fn gives no validation data for "
+            f"chunk {chunk_id}: the command has nothing to evaluate on"
+        )
+    inputs, targets = dataset_tensors(test, config.collate(), f"the test data of chunk {chunk_id}")
+    return torch.utils.data.TensorDataset(inputs, targets)
+
+
+def _metric_means(
+    model: torch.nn.Module, data: torch.utils.data.TensorDataset, metrics: Mapping[str, Any]
+) -> dict[str, float]:
+    """The mean of each ``metrics_fn`` metric over ``data`` (one synchronisation per metric)."""
+    if not metrics:
+        return {}
+    device = model_device(model)
+    inputs, targets = data.tensors
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics}
+    with inference(model):
+        for start in range(0, len(targets), 256):
+            batch = targets[start : start + 256].to(device)
+            outputs = forward(model, inputs[start : start + 256].to(device))
+            for name, metric in metrics.items():
+                value = torch.as_tensor(metric(outputs, batch), device=device)
+                sums[name] += value.double().mean() * len(batch)
+    return {name: float(total) / len(targets) for name, total in sums.items()}
+
+
+def method_classifier(learner: Any, classifier: str, state: str) -> torch.nn.Module:
+    """The learner's model (``logits``) or its nearest-mean-of-exemplars classifier (``nme``,
+    for the methods whose spec names that classifier)."""
+    if classifier == "logits":
+        return learner.model
+    spec = method_of(learner)
+    if spec is None or spec.classifier != "nme":
+        names = sorted(name for name, other in METHODS.items() if other.classifier == "nme")
+        raise UsageError(
+            f"--classifier nme needs a state folder of --learner {' or '.join(names)}; {state} "
+            f"holds a {type(learner).__name__}"
+        )
+    try:
+        return learner.nme_classifier()
+    except ValueError as exc:
+        raise UsageError(f"--classifier nme: {exc}") from None
+
+
+def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
+    """``renate-events evaluate``: the accuracy of a state folder's model on every task."""
+    from renate_events import evaluation
+    from renate_events.scenarios import Task
+
+    options = check_options(EvaluateOptions, values)
+    if options.scenario is not None or options.data_dir is not None:
+        check_data_dir(options.scenario, options.data_dir)
+    if options.config_file is not None:
+        return _evaluate_from_config(options)
+    if options.chunk_ids is not None:
+        raise UsageError("--chunk-ids needs --config-file")
+    if options.data is not None:
+        data = load_data_file(options.data)
+    updater, spec = updater_from_folder(options.state)
+    classifier = method_classifier(updater.learner_instance, options.classifier, options.state)
+    model = evaluated(classifier, updater.transforms)
+    if options.data is not None:
+        data = fitted(f"--data {options.data}", data, spec)
+        classes = tuple(sorted(set(data.tensors[1].tolist())))
+        tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
+    else:
+        tasks = scenario_tasks(options.scenario, options.data_dir, options.seed)
+        for task in tasks:  # every task's labels: a later task may exceed the model's classes
+            fitted(f"--scenario {options.scenario}", task.test, spec)
+    accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
+    for task, accuracy in zip(tasks, accuracies):
+        print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
+    print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
+    return 0
+
+
+def _evaluate_from_config(options: Any) -> int:
+    from renate_events import evaluation
+
+    config = load_config_file(options.config_file)
+    manifest = read_manifest(options.state)
+    updater = config_updater(
+        config,
+        {},
+        {},
+        manifest,
+        input_state_folder=options.state,
+        validation_memory=manifest.get("validation_memory", False),
+        accept_config_change=options.accept_config_change,
+    )
+    model = for_evaluation(
+        method_classifier(updater.learner_instance, options.classifier, options.state), config
+    )
+    chunks = options.chunk_ids or list(range(manifest["updates"]))
+    tasks = []
+    for chunk in chunks:
+        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
+        test = chunk_test_data(config, chunk, options.seed, val)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(ChunkTask(chunk, None, None, test, classes))
+    accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
+    metrics = config.metrics()
+    for task, accuracy in zip(tasks, accuracies):
+        extra = _metric_means(model, task.test, metrics)
+        shown = "".join(f"; {name} {value:.4f}" for name, value in extra.items())
+        print(f"chunk {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
+    print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
+    return 0

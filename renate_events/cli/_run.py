@@ -1,0 +1,280 @@
+"""``renate-events run``: every seed prepared (data read, updater built and checked) before any
+training, then one update per task with an evaluation on every task after each."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from renate_events.choices import default_buffer
+from renate_events.cli._errors import UsageError
+from renate_events.cli._evaluate import (
+    ChunkTask,
+    Transformed,
+    chunk_test_data,
+    evaluated,
+    for_evaluation,
+)
+from renate_events.cli._options import (
+    RunOptions,
+    check_options,
+    hyperparameter_values,
+    learner_message,
+    load_config_file,
+)
+from renate_events.cli._results import (
+    check_output_dir,
+    result_files,
+    seed_metrics,
+    table,
+    write_run,
+)
+from renate_events.cli._updaters import (
+    config_updater,
+    feature_modules,
+    optimizer_spec,
+    progress,
+    selection_settings,
+    trainer_setting,
+    training_overrides,
+)
+from renate_events.cli._zoo import (
+    MAX_PARAMETERS,
+    mlp,
+    parameter_count,
+    resolved_model,
+    scenario_tasks,
+    spec_transforms,
+    zoo_spec_for_run,
+)
+from renate_events.config import ConfigFile
+from renate_events.inference import inference, outputs_in_batches
+from renate_events.methods import method, method_of
+from renate_events.models import build_model
+from renate_events.scenarios import IMAGE_SCENARIOS
+from renate_events.settings import setting
+from renate_events.updater import ModelUpdater
+
+__all__ = ["run"]
+
+
+@attrs.define(eq=False)
+class _Seed:
+    """One seed of a run: its tasks and its updater, built (and so checked) before any training."""
+
+    seed: int
+    tasks: list[Any]
+    updater: ModelUpdater
+    rng_state: torch.Tensor
+    evaluated: torch.nn.Module  # the model, with the config file's test transform if any
+
+
+def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
+    """``renate-events run``: train and evaluate every seed, then print and write the results."""
+    options = check_options(RunOptions, values, from_file)
+    hyper = hyperparameter_values(values, options.learner, from_file, options.config)
+    config = _run_config_file(options)
+    if config is None:
+        options = resolved_model(options)
+    if config is None and method(options.learner).features == "hidden" and options.hidden == []:
+        raise UsageError(f"--learner {options.learner} distils hidden layers: give --hidden sizes")
+    # Under `torchrun --nproc_per_node=N`: data-parallel training over N processes; rank zero
+    # prints and writes the results. State folders are not written (their staging folders are
+    # per process), so `run` under torchrun keeps no state between invocations.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
+    tokens = None if distributed else check_output_dir(options)
+    seeds = [
+        _prepare_seed(options, seed, distributed, hyper)
+        if config is None
+        else _prepare_config_seed(options, config, seed, distributed, hyper)
+        for seed in options.seeds
+    ]
+    started = time.perf_counter()
+    runs = [_train_seed(options, plan) for plan in seeds]
+    elapsed = time.perf_counter() - started
+    if rank_zero:
+        files = result_files(options, runs, elapsed)
+        if tokens is not None:
+            write_run(options, files, {plan.seed: plan.updater for plan in seeds}, tokens)
+        print(table(options, runs, elapsed))
+    return 0
+
+
+def _run_config_file(options: Any) -> ConfigFile | None:
+    """The ``--config-file`` of a run, with the options that only it allows checked."""
+    if options.config_file is None:
+        for flag, value in (
+            ("--chunks", options.chunks),
+            ("--metric", options.metric),
+            ("--early-stopping", options.early_stopping),
+        ):
+            if value is not None:
+                raise UsageError(f"{flag} needs --config-file")
+        return None
+    for flag, value in (
+        ("--model", options.model),
+        ("--model-args", options.model_args),
+        ("--hidden", options.hidden),
+        ("--data-dir", options.data_dir),
+    ):
+        if value is not None:
+            raise UsageError(
+                f"{flag}: with --config-file, its model_fn builds the model (it may call "
+                "renate_events.models.build_model) and data_fn gives the data; leave it out"
+            )
+    if options.chunks is None:
+        raise UsageError(
+            "--config-file needs --chunks N: the number of updates, on data_fn's chunks 0..N-1"
+        )
+    return load_config_file(options.config_file)
+
+
+def _prepare_config_seed(
+    options: Any,
+    config: ConfigFile,
+    seed: int,
+    distributed: bool,
+    hyper: Mapping[str, Any],
+) -> _Seed:
+    """One seed of a run over a config file's chunks: all data read and checked first."""
+    torch.manual_seed(seed)  # model_fn's initial weights, then data_fn, as in `update`
+    overrides = {**training_overrides(options), "seed": seed, "distributed": distributed}
+    updater = config_updater(config, overrides, hyper, None, **selection_settings(options))
+    tasks = []
+    for chunk in range(options.chunks or 0):
+        train, val = config.data(chunk, seed)
+        test = chunk_test_data(config, chunk, seed, val)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(ChunkTask(chunk, train, val, test, classes))
+    return _Seed(seed, tasks, updater, torch.get_rng_state(), for_evaluation(updater.model, config))
+
+
+def _run_model(
+    options: Any, tasks: Sequence[Any], seed: int
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The seed's fresh model and what the manifest records of it: the command line's MLP on
+    the digits scenarios (as before zoo models existed), a zoo model on the image ones."""
+    classes = 1 + max(max(task.classes) for task in tasks)
+    if options.scenario in IMAGE_SCENARIOS:
+        spec = zoo_spec_for_run(options, tasks, classes)
+        torch.manual_seed(seed)
+        return build_model(spec["name"], **spec["args"]), spec
+    hidden = options.hidden or []
+    inputs = tasks[0].train.tensors[0].shape[1]
+    count = parameter_count(inputs, hidden, classes)
+    if count > MAX_PARAMETERS:
+        raise UsageError(
+            f"--hidden {hidden} makes an MLP of {count} parameters; the command line "
+            f"builds MLPs of at most {MAX_PARAMETERS}"
+        )
+    torch.manual_seed(seed)
+    spec = {"kind": "mlp", "inputs": inputs, "hidden": hidden, "classes": classes}
+    return mlp(inputs, hidden, classes), spec
+
+
+def _learner_kwargs(
+    options: Any, seed: int, spec: Mapping[str, Any], hyper: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The learner's arguments of one seed on a scenario: the buffer (only for a method with a
+    memory, unless ``--memory-size`` is given), the batches, the seed, the features to distil
+    from the command line's MLP, and the hyperparameters given."""
+    memory_size = options.memory_size
+    kwargs: dict[str, Any] = {
+        "memory_size": setting("memory_size").default if memory_size is None else memory_size,
+        "memory_batch_size": options.memory_batch_size,
+        "batch_size": options.batch_size,
+        "seed": seed,
+    }
+    method_spec = method(options.learner)
+    if not method_spec.uses_memory and memory_size is None:
+        kwargs.pop("memory_size")
+    if method_spec.features == "hidden" and spec["kind"] == "mlp":  # the hidden layers' outputs
+        kwargs["feature_modules"] = [str(2 * i + 1) for i in range(len(spec["hidden"]))]
+    if method_spec.features == "last-hidden" and spec["kind"] == "mlp" and spec["hidden"]:
+        # an embedding: the last hidden layer (a zoo model's: its backbone)
+        kwargs["feature_modules"] = [str(2 * len(spec["hidden"]) - 1)]
+    kwargs.update(hyper)
+    return kwargs
+
+
+def _prepare_seed(options: Any, seed: int, distributed: bool, hyper: Mapping[str, Any]) -> _Seed:
+    """One seed of a run on a named scenario: its tasks, its model and its updater, checked."""
+    tasks = scenario_tasks(options.scenario, options.data_dir, seed)
+    model, spec = _run_model(options, tasks, seed)
+    transforms = spec_transforms(spec)
+    learner_kwargs = _learner_kwargs(options, seed, spec, hyper)
+    feature_modules(options.learner, learner_kwargs, model)  # a zoo model's feature modules
+    first_optimizer = {"name": setting("optimizer").default, "lr": setting("lr").default}
+    overrides = training_overrides(options)
+    try:
+        updater = ModelUpdater(
+            model,
+            learner=options.learner,
+            learner_kwargs=learner_kwargs,
+            optimizer=optimizer_spec(first_optimizer, overrides),
+            buffer=options.buffer or default_buffer(options.learner),
+            trainer_kwargs=trainer_setting({**overrides, "distributed": distributed}, None, None),
+            metadata={"model": spec, "scenario": options.scenario},
+            transforms=transforms,
+        )
+        updater.learner_instance  # noqa: B018 - the learner's own checks, before training
+    except ValueError as exc:  # the learner's checks of a combination of options
+        raise UsageError(learner_message(exc)) from None
+    return _Seed(seed, tasks, updater, torch.get_rng_state(), evaluated(model, transforms))
+
+
+def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
+    from renate_events import evaluation
+
+    torch.set_rng_state(plan.rng_state)  # as if this seed's model had just been built
+    model, tasks = plan.evaluated, plan.tasks
+    class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
+    class_matrix.baseline = evaluation.evaluate(model, tasks, mode="class-incremental")
+    targets = torch.cat([task.test.tensors[-1] for task in tasks])
+    previous, flips = None, []
+    for task in tasks:
+        description = f"seed {plan.seed} task {task.task_id}"
+        progress(plan.updater.learner_instance, description, not options.no_progress)
+        plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
+        model = _run_classifier(plan)
+        class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
+        task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
+        current = _predictions(model, tasks)
+        if previous is not None:  # flips between consecutive model versions, on all test sets
+            flips.append(evaluation.regression_metrics(previous, current, targets))
+        previous = current
+    return seed_metrics(plan.seed, class_matrix, task_matrix, tasks, flips)
+
+
+def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
+    """The model's class-incremental predictions on every task's test set, one after another."""
+    predicted = []
+    with inference(model):
+        for task in tasks:
+            for logits in outputs_in_batches(model, task.test.tensors[0]):
+                predicted.append(logits.argmax(dim=-1).cpu())
+    return torch.cat(predicted)
+
+
+def _run_classifier(plan: _Seed) -> torch.nn.Module:
+    """What ``run`` evaluates after an update: the method's own classifier (the nearest mean of
+    exemplars for an ``nme`` method once it has class means, with the config file's test
+    transform, if any), else the model."""
+    learner = plan.updater.learner_instance
+    spec = method_of(learner)
+    if spec is None or spec.classifier != "nme":
+        return plan.evaluated
+    try:
+        nme = learner.nme_classifier()
+    except ValueError:  # no class means yet: nothing was trained
+        return plan.evaluated
+    evaluated_model = plan.evaluated
+    if isinstance(evaluated_model, Transformed):
+        return Transformed(nme, evaluated_model.transform)
+    return nme

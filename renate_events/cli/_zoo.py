@@ -1,0 +1,329 @@
+"""The command line's models: its MLP on the digits, zoo models on the image scenarios, and how a
+state folder's manifest describes either (every key checked before anything is built)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from renate_events.cli._errors import UsageError, one_line
+from renate_events.models import MODELS, build_model
+from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
+from renate_events.settings import setting
+from renate_events.state_folder import StateFolderError
+from trainer import validators as checks
+
+__all__ = [
+    "IMAGE_DATA",
+    "MAX_PARAMETERS",
+    "check_data_dir",
+    "check_same_model",
+    "mlp",
+    "model_spec",
+    "parameter_count",
+    "resolved_model",
+    "scenario_tasks",
+    "spec_transforms",
+    "zoo_spec_for_run",
+]
+
+MAX_PARAMETERS = 10**9  # 4 GB of float32: the command line builds small MLPs
+
+IMAGE_DATA = {
+    "seq-cifar10": (
+        "cifar10",
+        "the CIFAR-10 binary version, DIR/cifar-10-batches-bin/data_batch_1.bin ... "
+        "data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz from "
+        "https://www.cs.toronto.edu/~kriz/cifar.html, extracted with tar xzf "
+        "cifar-10-binary.tar.gz -C DIR)",
+    ),
+    "seq-cifar100": (
+        "cifar100",
+        "the CIFAR-100 binary version, DIR/cifar-100-binary/train.bin and test.bin "
+        "(cifar-100-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted "
+        "with tar xzf cifar-100-binary.tar.gz -C DIR)",
+    ),
+}
+"""The image scenarios: the transform preset (its normalisation) and the files they read."""
+_IMAGE_MODEL = ("resnet18", {"nf": 20})  # GEM's reduced ResNet-18: the default on images
+_INFERRED = ("inputs", "num_classes", "in_channels", "image_size")
+"""Model arguments the command line takes from the scenario's data, never from --model-args."""
+_MAX_LAYERS = 64
+"""The most blocks (vit ``depth``) or hidden layers (mlp ``hidden``) a zoo model of the command
+line has: building one costs time per layer even on the meta device, so a state folder's
+description cannot make a reader build for minutes before its size is checked."""
+
+
+# -- the command line's MLP -----------------------------------------------------------------------
+
+
+def mlp(inputs: int, hidden: Sequence[int], classes: int) -> torch.nn.Module:
+    """The command line's MLP on feature vectors: ``Linear`` and ``ReLU`` layers in a
+    ``Sequential`` (its state folders name the parameters ``0.weight``, ``0.bias``, ...)."""
+    layers: list[torch.nn.Module] = []
+    width = inputs
+    for size in hidden:
+        layers += [torch.nn.Linear(width, size), torch.nn.ReLU()]
+        width = size
+    layers.append(torch.nn.Linear(width, classes))
+    return torch.nn.Sequential(*layers)
+
+
+def _mlp_signature(inputs: int, hidden: Sequence[int], classes: int) -> dict[str, list[Any]]:
+    """What :func:`mlp` would record in a manifest, computed without building it."""
+    signature: dict[str, list[Any]] = {}
+    widths = [inputs, *hidden, classes]
+    for layer, (width_in, width_out) in enumerate(itertools.pairwise(widths)):
+        signature[f"{2 * layer}.weight"] = [[width_out, width_in], "float32"]
+        signature[f"{2 * layer}.bias"] = [[width_out], "float32"]
+    return signature
+
+
+def parameter_count(inputs: int, hidden: Sequence[int], classes: int) -> int:
+    """The number of parameters of :func:`mlp` with these sizes."""
+    widths = [inputs, *hidden, classes]
+    return sum(a * b + b for a, b in itertools.pairwise(widths))
+
+
+# -- the scenario and the model of a run ----------------------------------------------------------
+
+
+def _check_zoo_args(where: str, args: Mapping[str, Any]) -> None:
+    """Every argument an int (``hidden``: a list of ints) of a size the model can be built at."""
+    for key, value in args.items():
+        if key == "hidden" and isinstance(value, list) and len(value) <= _MAX_LAYERS:
+            continue
+        high = _MAX_LAYERS + 1 if key == "depth" else 2**31
+        checks.check_int(f"{where} {key}", value, 0, high)
+
+
+def check_data_dir(scenario: str | None, data_dir: str | None) -> None:
+    """``--data-dir`` goes with an image scenario, and only with one."""
+    if scenario in IMAGE_SCENARIOS and data_dir is None:
+        raise UsageError(
+            f"--scenario {scenario} reads {IMAGE_DATA[scenario][1]}: give --data-dir DIR; "
+            "nothing is downloaded"
+        )
+    if scenario not in IMAGE_SCENARIOS and data_dir is not None:
+        where = f"{scenario} uses the bundled digits" if scenario else "is not given"
+        raise UsageError(
+            f"--data-dir is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario {where}"
+        )
+
+
+def resolved_model(options: Any) -> Any:
+    """The run's options with the model, its arguments and ``--hidden`` made explicit, after
+    the checks of which scenario, data folder and model go together."""
+    image = options.scenario in IMAGE_SCENARIOS
+    check_data_dir(options.scenario, options.data_dir)
+    if not image and options.no_augment:
+        raise UsageError(
+            f"--no-augment is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario "
+            f"{options.scenario} uses the bundled digits"
+        )
+    model = options.model or (_IMAGE_MODEL[0] if image else "mlp")
+    args = options.model_args
+    if args is None:
+        args = dict(_IMAGE_MODEL[1]) if image and options.model is None else {}
+    if not image and model != "mlp":
+        raise UsageError(
+            f"--model {model} takes images; --scenario {options.scenario} gives flat vectors of "
+            "features: use --model mlp (with --hidden), or an image scenario "
+            f"{sorted(IMAGE_SCENARIOS)}"
+        )
+    if model == "mlp" and args:
+        raise UsageError(
+            f"--model-args {args}: the MLP's only arguments are its hidden layer sizes; give "
+            "them with --hidden"
+        )
+    if model != "mlp" and options.hidden is not None:
+        raise UsageError(f"--hidden sizes --model mlp; --model {model} takes --model-args")
+    inferred = sorted(set(args) & set(_INFERRED))
+    if inferred:
+        raise UsageError(
+            f"--model-args: {inferred} come from the scenario's data (number of classes, image "
+            "shape); leave them out"
+        )
+    hidden = options.hidden
+    if hidden is None and model == "mlp":
+        hidden = list(setting("hidden").default)
+    return attrs.evolve(options, model=model, model_args=args, hidden=hidden)
+
+
+def scenario_tasks(scenario: str, data_dir: str | None, seed: int) -> list[Any]:
+    """The tasks of a named scenario; an image scenario's files missing or corrupt is one line
+    (the reader's message names the file that was expected and where to get it)."""
+    if scenario in SCENARIOS:
+        try:
+            return list(SCENARIOS[scenario](seed=seed).tasks())
+        except ImportError as exc:
+            raise UsageError(f"--scenario {scenario}: {exc}") from None
+    try:
+        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed).tasks())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--scenario {scenario} --data-dir {data_dir}: {one_line(exc)}") from None
+
+
+def zoo_spec_for_run(options: Any, tasks: Sequence[Any], classes: int) -> dict[str, Any]:
+    """What the manifest records of a zoo model on an image scenario: its name, every argument
+    (the given ones and those of the data), the image shape and the transforms."""
+    name = options.model or _IMAGE_MODEL[0]
+    shape = list(tasks[0].train.tensors[0].shape[1:])
+    data = {
+        "inputs": math.prod(shape),
+        "num_classes": classes,
+        "in_channels": shape[0],
+        "image_size": shape[-1],
+        "hidden": options.hidden,
+    }
+    takes = inspect.signature(MODELS[name]).parameters
+    args = {**(options.model_args or {}), **{k: v for k, v in data.items() if k in takes}}
+    try:
+        _check_zoo_args("--model-args", options.model_args or {})
+    except ValueError as exc:
+        raise UsageError(one_line(exc)) from None
+    spec = {
+        "kind": "zoo",
+        "name": name,
+        "args": args,
+        "inputs": shape,
+        "classes": classes,
+        "transforms": IMAGE_DATA[options.scenario][0],
+        "augment": not options.no_augment,
+    }
+    try:
+        size = _state_bytes(_zoo_on_meta(name, args))
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--model-args: {one_line(exc)}") from None
+    if size > 4 * MAX_PARAMETERS:
+        raise UsageError(
+            f"--model {name} with {options.model_args} has {size} bytes of parameters; the "
+            f"command line builds models of at most {4 * MAX_PARAMETERS}"
+        )
+    return spec
+
+
+def _zoo_on_meta(name: str, args: Mapping[str, Any]) -> torch.nn.Module:
+    """The model built on the meta device: its shapes, with no memory allocated."""
+    with torch.device("meta"):
+        return build_model(name, **args)
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def spec_transforms(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch transforms of a zoo model on images: raw ``uint8`` in the buffer, floats made
+    per batch (random crop and flip in training and replay unless ``augment`` is false)."""
+    if spec["kind"] != "zoo":
+        return {}
+    from renate_events.transforms import cifar_test_transform, cifar_train_transform
+
+    test = cifar_test_transform(spec["transforms"])
+    train = cifar_train_transform(spec["transforms"]) if spec["augment"] else test
+    return {"train_transform": train, "buffer_transform": train, "test_transform": test}
+
+
+# -- the model a state folder's manifest describes ------------------------------------------------
+
+
+def model_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The model that ``metadata.model`` describes (the command line's MLP or a zoo model),
+    checked against the manifest's ``model``.
+
+    The checkpoint holds the model's parameters, so a description that would need more bytes than
+    the checkpoint has is refused before anything is allocated.
+    """
+    path = os.path.join(folder, "manifest.json")
+    spec = manifest["metadata"].get("model")
+    if isinstance(spec, dict) and spec.get("kind") == "zoo":
+        return _zoo_spec(folder, manifest)
+    if not isinstance(spec, dict) or spec.get("kind") != "mlp":
+        raise UsageError(
+            f"{folder} was not written by renate-events run/update (its manifest has no model "
+            "description); load it from Python with ModelUpdater and your own model"
+        )
+    try:
+        checks.check_int(f"{path}: key 'metadata.model.inputs'", spec.get("inputs"), 1)
+        checks.check_int(f"{path}: key 'metadata.model.classes'", spec.get("classes"), 1)
+        hidden = spec.get("hidden")
+        if not isinstance(hidden, list):
+            raise checks.WrongTypeError(
+                f"{path}: key 'metadata.model.hidden' must be a list, got {hidden!r}"
+            )
+        for width in hidden:
+            checks.check_int(f"{path}: key 'metadata.model.hidden'", width, 1)
+    except ValueError as exc:
+        raise StateFolderError(str(exc)) from None
+    shape = (spec["inputs"], hidden, spec["classes"])
+    if _mlp_signature(*shape) != manifest["model"]:
+        raise StateFolderError(
+            f"{path}: key 'metadata.model' describes another MLP than its key 'model' lists"
+        )
+    if 4 * parameter_count(*shape) > os.path.getsize(os.path.join(folder, "learner.safetensors")):
+        raise StateFolderError(
+            f"{path}: key 'metadata.model' describes an MLP larger than the checkpoint beside it"
+        )
+    return spec
+
+
+def _zoo_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The zoo model that ``metadata.model`` describes, every key checked; built on the meta
+    device first (nothing allocated) so that one larger than the checkpoint is refused. The
+    updater then compares its parameters with the manifest's ``model``."""
+    path = os.path.join(folder, "manifest.json")
+    spec = manifest["metadata"]["model"]
+    key = f"{path}: key 'metadata.model"
+    try:
+        checks.check_one_of(f"{key}.name'", spec.get("name"), tuple(MODELS))
+        checks.check_one_of(f"{key}.transforms'", spec.get("transforms"), ("cifar10", "cifar100"))
+        if not isinstance(spec.get("augment"), bool):
+            raise checks.WrongTypeError(f"{key}.augment' must be true or false")
+        if not isinstance(spec.get("args"), dict):
+            raise checks.WrongTypeError(f"{key}.args' must be an object")
+        shape = spec.get("inputs")
+        if not isinstance(shape, list) or len(shape) != 3:
+            raise checks.WrongTypeError(f"{key}.inputs' must be [channels, height, width]")
+        for size in shape:
+            checks.check_int(f"{key}.inputs'", size, 1, 2**15)
+        checks.check_int(f"{key}.classes'", spec.get("classes"), 1)
+        if spec["args"].get("num_classes") != spec["classes"]:
+            raise ValueError(f"{key}.args.num_classes' must equal its key 'classes'")
+        _check_zoo_args(f"{key}.args'", spec["args"])
+        shown = {"inputs": math.prod(shape), "in_channels": shape[0], "image_size": shape[-1]}
+        for name, value in shown.items():
+            if spec["args"].get(name, value) != value:
+                raise ValueError(f"{key}.args.{name}' does not fit its key 'inputs' {shape}")
+        model = _zoo_on_meta(spec["name"], spec["args"])
+    except (ValueError, TypeError) as exc:
+        raise StateFolderError(one_line(exc)) from None
+    if _state_bytes(model) > os.path.getsize(os.path.join(folder, "learner.safetensors")):
+        raise StateFolderError(f"{key}' describes a model larger than the checkpoint beside it")
+    return spec
+
+
+def check_same_model(options: Any, spec: Mapping[str, Any], folder: str) -> None:
+    """``update --model/--model-args`` must name the input state's model: an architecture never
+    changes between the updates of one state folder."""
+    name = "mlp" if spec["kind"] == "mlp" else spec["name"]
+    recorded = {} if spec["kind"] == "mlp" else spec["args"]
+    if options.model is not None and options.model != name:
+        raise UsageError(
+            f"--model {options.model}: the state folder {folder} holds a {name} model, and later "
+            f"updates keep its architecture; leave --model out, or start a new state folder "
+            f"with renate-events run --model {options.model}"
+        )
+    for key, value in (options.model_args or {}).items():
+        if recorded.get(key, None) != value:
+            raise UsageError(
+                f"--model-args {key} = {value!r}: the state folder {folder} holds a {name} model "
+                f"with {key} = {recorded.get(key)!r}, and later updates keep its architecture"
+            )

@@ -1,0 +1,508 @@
+"""Every setting of the command line (:data:`SETTINGS`) and the settings each command takes
+(:data:`COMMANDS`)."""
+
+from __future__ import annotations
+
+import attrs
+
+from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS
+from renate_events.methods import CLASSIFIERS, LEARNERS, METHODS, MethodSpec, method
+from renate_events.models import MODELS
+from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
+from renate_events.settings._record import Setting, device, list_of_ints, model_args
+from renate_events.updater import ModelUpdater
+
+__all__ = ["COMMANDS", "MAX_SEED", "PRECISIONS", "SETTINGS", "commands_of", "setting"]
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+"""The precisions :class:`trainer.Trainer` takes (a test checks that it takes exactly these)."""
+
+MAX_SEED = 2**63
+"""Seeds are ints in ``[0, MAX_SEED)`` (what ``torch.manual_seed`` takes)."""
+
+
+# -- help texts made from the method registry ----------------------------------------------------
+
+
+def _default_method() -> str:
+    return attrs.fields(ModelUpdater).learner.default
+
+
+def _learner_shown() -> str:
+    name = _default_method()
+    return f"{name}, i.e. {method(name).summary.split(' (')[0]}"
+
+
+def _buffer_shown() -> str:
+    usual = attrs.fields(MethodSpec).default_buffer.default
+    others = [
+        f"{spec.default_buffer} for {name}"
+        for name, spec in METHODS.items()
+        if spec.default_buffer != usual
+    ]
+    return "; ".join([usual, ", ".join(others)] if others else [usual])
+
+
+def _classifier_help() -> str:
+    names = [name for name, spec in METHODS.items() if spec.classifier == "nme"]
+    return (
+        "logits: the model's argmax (default); nme: the nearest mean of exemplars (a state "
+        f"folder of --learner {' or '.join(names)})"
+    )
+
+
+def _scenario_help() -> str:
+    digits, images = list(SCENARIOS), list(IMAGE_SCENARIOS)
+    return (
+        f"{digits[0]} (default), {', '.join(digits[1:])}; {', '.join(images)} (read from "
+        "--data-dir)"
+    )
+
+
+# -- the settings ---------------------------------------------------------------------------------
+
+_UPDATER = "renate_events.updater:ModelUpdater."
+_LEARNER = "renate_events.learners:BaseExperienceReplayLearner."
+_TRAINER = "trainer:Trainer."
+_MMD = "renate_events.shift:MMDCovariateShiftDetector."
+_SCENARIO_NAMES = tuple(sorted({**SCENARIOS, **IMAGE_SCENARIOS}))
+_CONFIG_FILE_HELP = (
+    "Python file defining model_fn, data_fn and optionally loss_fn, optimizer_fn, ... "
+    "(see the docs' 'Bring your own model and data')"
+)
+
+_ALL = (
+    # where the options come from
+    Setting("config", "TOML file with any of these options (flags override it)"),
+    Setting(
+        "config_file",
+        _CONFIG_FILE_HELP,
+        maps_onto=(_UPDATER + "config_file",),
+        variants={
+            "evaluate": {"help": "evaluate on test_data_fn's chunks (see --chunk-ids)"},
+            "shift": {"help": "the config file the --state was written with"},
+        },
+    ),
+    # run: the scenario and the model
+    Setting(
+        "scenario",
+        _scenario_help,
+        default="split-digits",
+        choices=_SCENARIO_NAMES,
+        parser_choices=False,
+        variants={
+            "evaluate": {
+                "default": None,
+                "help": "evaluate on every task's test set of this scenario",
+            }
+        },
+    ),
+    Setting(
+        "data_dir",
+        "with seq-cifar10/100: the folder of the CIFAR binary version (never downloaded)",
+        variants={
+            "evaluate": {
+                "help": "with --scenario seq-cifar10/100: the folder of the CIFAR binary version"
+            }
+        },
+    ),
+    Setting(
+        "no_augment",
+        "image scenarios: no random crop and flip in training (still to float, normalised)",
+        kind="flag",
+    ),
+    Setting(
+        "chunks",
+        "with --config-file: the number of updates (data_fn's chunks 0..N-1)",
+        kind="int",
+        low=1,
+        high=10**6,
+    ),
+    Setting(
+        "seeds",
+        "one or several seeds",
+        kind="ints",
+        default=[0],
+        check=list_of_ints(0, MAX_SEED, empty=False, distinct=True),
+    ),
+    Setting(
+        "hidden",
+        "hidden layer sizes of --model mlp (default {default})",
+        kind="ints",
+        default=[256],
+        deferred=True,
+        check=list_of_ints(1, None, empty=True, distinct=False),
+    ),
+    Setting(
+        "model",
+        "model of renate_events.models (default: mlp for the digits scenarios, resnet18 with nf "
+        "20 for the image ones)",
+        choices=tuple(sorted(MODELS)),
+        variants={"update": {"help": "model (a check: the input state's model must be this one)"}},
+    ),
+    Setting(
+        "model_args",
+        "the model's arguments as a TOML or JSON table: '{nf = 20}', '{\"dim\": 64}' "
+        "(num_classes, inputs, in_channels and image_size come from the scenario)",
+        kind="table",
+        metavar="TABLE",
+        check=model_args,
+        variants={
+            "update": {"help": "its arguments (a check: the input state's model must be this one)"}
+        },
+    ),
+    Setting("output_dir", "where results are written", default="runs/latest"),
+    # update: the state folders
+    Setting("input_state", "a state folder written by run/update"),
+    Setting(
+        "data",
+        ".safetensors or .npz file with 'inputs' and 'targets'",
+        variants={
+            "update": {
+                "help": ".safetensors or .npz file with 'inputs' and 'targets' (no --config-file)"
+            }
+        },
+    ),
+    Setting(
+        "output_state",
+        "the state folder to write: new, empty, or a state folder (never anything else)",
+        required=True,
+    ),
+    Setting(
+        "chunk_id",
+        "with --config-file: the chunk data_fn gives (default: the input state's number of "
+        "updates, so 0 for a first update)",
+        kind="int",
+        low=0,
+    ),
+    Setting(
+        "seed",
+        "seeds model_fn's initial weights and is given to data_fn (default {default})",
+        kind="int",
+        default=0,
+        low=0,
+        high=MAX_SEED,
+        maps_onto=(_LEARNER + "seed", _MMD + "seed"),
+        variants={
+            "evaluate": {"help": "seed of the split / of data_fn"},
+            "shift": {"help": "seed of the permutations"},
+        },
+    ),
+    Setting(
+        "in_place",
+        "allow --output-state to be --input-state",
+        kind="flag",
+        maps_onto=(_UPDATER + "in_place",),
+    ),
+    Setting(
+        "accept_config_change",
+        "continue a state folder written with another version of the config file",
+        kind="flag",
+        maps_onto=(_UPDATER + "accept_config_change",),
+        variants={
+            "evaluate": {
+                "help": "evaluate a state folder written with another version of the config file"
+            },
+            "shift": {"help": "use a --state written with another version of the config file"},
+        },
+    ),
+    Setting("task_id", "a name for this update"),
+    Setting(
+        "search",
+        "with --config-file: run TRIALS trials of this update (Optuna) over the search space of "
+        "the --config TOML file and keep the best (see the docs' search section)",
+        kind="int",
+        low=1,
+        high=10**5,
+        metavar="TRIALS",
+    ),
+    Setting(
+        "search_storage",
+        "Optuna storage URL (sqlite:///search.db, postgresql://...): resume an interrupted "
+        "search, or share one among workers",
+    ),
+    Setting("search_study", "the study's name in --search-storage"),
+    Setting(
+        "search_pruner",
+        "{default} (default): stop trials worse than the median at the same epoch; none",
+        default="median",
+        choices=("median", "none"),
+    ),
+    Setting(
+        "buffer_storage",
+        "memory: the buffer in RAM, saved in the checkpoint; mapped: memory-mapped files, saved "
+        "as files of the state folder, for buffers larger than RAM",
+        default="memory",
+        deferred=True,
+        later=True,
+        choices=BUFFER_STORAGES,
+        maps_onto=(_UPDATER + "buffer_storage",),
+    ),
+    Setting(
+        "lock_timeout",
+        "seconds to wait for another update of the same folder (default {default})",
+        kind="float",
+        default=60.0,
+        low=0.0,
+        maps_onto=(_UPDATER + "lock_timeout",),
+    ),
+    # the learner, the optimizer and the trainer
+    Setting(
+        "learner",
+        "continual-learning method",
+        default=_default_method(),
+        choices=tuple(sorted(LEARNERS)),
+        later=True,
+        shown=_learner_shown,
+        maps_onto=(_UPDATER + "learner",),
+    ),
+    Setting(
+        "buffer",
+        "memory buffer type",
+        choices=tuple(BUFFERS),
+        later=True,
+        shown=_buffer_shown,
+        maps_onto=(_UPDATER + "buffer", _LEARNER + "buffer"),
+    ),
+    Setting(
+        "memory_size",
+        "buffer slots",
+        kind="int",
+        default=200,
+        low=0,
+        deferred=True,
+        later=True,
+        maps_onto=(_LEARNER + "memory_size",),
+    ),
+    Setting(
+        "epochs",
+        "epochs per update",
+        kind="int",
+        default=10,
+        low=1,
+        later=True,
+        maps_onto=(_TRAINER + "max_epochs",),
+    ),
+    Setting(
+        "lr",
+        "learning rate",
+        kind="float",
+        default=1e-3,
+        low=0.0,
+        low_open=True,
+        deferred=True,
+        later=True,
+        shown="1e-3",
+        maps_onto=(_UPDATER + "optimizer[lr]", _LEARNER + "optimizer[lr]"),
+    ),
+    Setting(
+        "optimizer",
+        "optimizer",
+        default="adam",
+        choices=tuple(OPTIMIZERS),
+        deferred=True,
+        later=True,
+        maps_onto=(_UPDATER + "optimizer[name]", _LEARNER + "optimizer[name]"),
+    ),
+    Setting(
+        "momentum", "SGD momentum", kind="float", low=0.0, deferred=True, later=True, shown="0"
+    ),
+    Setting(
+        "weight_decay",
+        "weight decay",
+        kind="float",
+        low=0.0,
+        deferred=True,
+        later=True,
+        shown="torch's",
+    ),
+    Setting(
+        "batch_size",
+        "new-data batch",
+        kind="int",
+        default=32,
+        low=1,
+        later=True,
+        maps_onto=(_LEARNER + "batch_size",),
+    ),
+    Setting(
+        "memory_batch_size",
+        "memory batch",
+        kind="int",
+        default=32,
+        low=1,
+        later=True,
+        maps_onto=(_LEARNER + "memory_batch_size",),
+    ),
+    Setting(
+        "device",
+        "auto (CUDA if available), cpu, cuda:0",
+        default="auto",
+        check=device,
+        later=True,
+        shown="",
+        maps_onto=(_TRAINER + "device",),
+    ),
+    Setting(
+        "precision",
+        "floating-point precision of training",
+        default="32",
+        choices=PRECISIONS,
+        later=True,
+        maps_onto=(_TRAINER + "precision",),
+    ),
+    Setting("no_progress", "hide progress bars", kind="flag"),
+    # the choice of the kept weights (config files)
+    Setting(
+        "metric",
+        "validation metric whose best epoch's weights the state keeps (val_loss, val_accuracy, "
+        "val_<metrics_fn name>)",
+        maps_onto=(_UPDATER + "metric",),
+    ),
+    Setting(
+        "mode",
+        "min or max (default: max for a metric named *accuracy, else min)",
+        choices=("min", "max"),
+        maps_onto=(_UPDATER + "mode",),
+    ),
+    Setting(
+        "early_stopping",
+        "stop an update after PATIENCE validations without improvement of --metric",
+        kind="int",
+        low=1,
+        metavar="PATIENCE",
+    ),
+    Setting(
+        "no_validation_memory",
+        "validate on this update's validation data only (default: also on earlier ones')",
+        kind="flag",
+    ),
+    # evaluate
+    Setting(
+        "state",
+        "a state folder",
+        required=True,
+        variants={
+            "shift": {
+                "help": "test on the features of this state folder's model",
+                "required": False,
+            }
+        },
+    ),
+    Setting(
+        "chunk_ids",
+        "with --config-file: the chunks to evaluate on (default: those the state was trained on, "
+        "0..updates-1)",
+        kind="ints",
+        check=list_of_ints(0, None, empty=False, distinct=True),
+    ),
+    Setting(
+        "classifier",
+        _classifier_help,
+        default="logits",
+        choices=CLASSIFIERS,
+    ),
+    # shift
+    Setting("reference", ".npz or .safetensors with 'inputs'", required=True),
+    Setting("query", ".npz or .safetensors with 'inputs'", required=True),
+    Setting("detector", "{default} (default) or ks", default="mmd", choices=("mmd", "ks")),
+    Setting(
+        "level",
+        "significance (default {default})",
+        kind="float",
+        default=0.05,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+        maps_onto=("renate_events.shift:ShiftDetector.test.level",),
+    ),
+    Setting(
+        "num_permutations",
+        "MMD permutations (default {default})",
+        kind="int",
+        default=1000,
+        low=1,
+        high=10**7,
+        maps_onto=(_MMD + "num_permutations",),
+    ),
+    Setting(
+        "max_samples",
+        "MMD samples per side (default {default})",
+        kind="int",
+        default=2000,
+        low=10,
+        high=10**6,
+        maps_onto=(_MMD + "max_samples",),
+    ),
+    Setting(
+        "feature_module",
+        "with --state: the submodule whose outputs are the features (default: the logits)",
+    ),
+)
+
+SETTINGS: dict[str, Setting] = {}
+"""Every setting by name."""
+for _setting in _ALL:
+    if _setting.name in SETTINGS:
+        raise ValueError(f"the setting {_setting.name!r} is defined twice")
+    SETTINGS[_setting.name] = _setting
+
+_TRAINING = (
+    "learner",
+    "buffer",
+    "memory_size",
+    "epochs",
+    "lr",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "batch_size",
+    "memory_batch_size",
+    "device",
+    "precision",
+    "no_progress",
+)
+_SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_memory")
+
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "run": (
+        *("config", "scenario", "data_dir", "no_augment", "chunks", "seeds", "hidden"),
+        *("model", "model_args", "output_dir", *_TRAINING, *_SELECTION),
+    ),
+    "update": (
+        *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
+        *("accept_config_change", "task_id", "model", "model_args", "search", "search_storage"),
+        *("search_study", "search_pruner", "buffer_storage", "lock_timeout"),
+        *(*_TRAINING, *_SELECTION),
+    ),
+    "evaluate": (
+        *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
+        *("classifier", "accept_config_change"),
+    ),
+    "shift": (
+        *("reference", "query", "detector", "level", "num_permutations", "max_samples", "seed"),
+        *("state", "config_file", "accept_config_change", "feature_module"),
+    ),
+}
+"""The settings each command takes, in the order of its help."""
+
+for _command, _names in COMMANDS.items():
+    for _name in _names:
+        if _name not in SETTINGS:
+            raise ValueError(f"the command {_command!r} takes an undefined setting {_name!r}")
+
+
+def setting(name: str, command: str | None = None) -> Setting:
+    """The setting called ``name`` (as ``command`` takes it, when given).
+
+    Raises:
+        KeyError: No setting has that name.
+    """
+    found = SETTINGS[name]
+    return found if command is None else found.for_command(command)
+
+
+def commands_of(name: str) -> tuple[str, ...]:
+    """The commands that take the setting ``name``."""
+    return tuple(command for command, names in COMMANDS.items() if name in names)
