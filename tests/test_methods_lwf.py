@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.components import LearningWithoutForgettingComponent, distillation_loss
-from renate_events.learners import LearningWithoutForgettingLearner
-from renate_events.methods import LEARNERS
+from renate_events.methods import LEARNERS, LearningWithoutForgettingLearner
+from renate_events.methods.lwf import LearningWithoutForgettingComponent, distillation_loss
 from trainer import Trainer
 
 

@@ -140,7 +140,7 @@ def test_the_updaters_loss_probe_sees_the_train_target_transforms_labels():
 
 
 def test_gdumb_checks_raw_uint8_images_through_the_train_transform():
-    from renate_events.learners import GDumbLearner
+    from renate_events.methods import GDumbLearner
     from renate_events.transforms import ToFloat
 
     images = torch.randint(0, 256, (6, 3, 2, 2), dtype=torch.uint8)

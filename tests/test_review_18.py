@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
 from renate_events.cli import main
-from renate_events.learners import (
+from renate_events.methods import (
     ElasticWeightConsolidationLearner,
     GDumbLearner,
     ICaRLLearner,

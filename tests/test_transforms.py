@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
+from renate_events.methods import ExperienceReplayLearner
 from renate_events.transforms import (
     CIFAR10_MEAN,
     CIFAR10_STD,

@@ -130,8 +130,9 @@ class MethodSpec:
     """
 
     name: str = attrs.field(validator=_name)
-    learner: type = attrs.field(validator=_learner)
-    summary: str = attrs.field(validator=_summary)
+    # None by default, so that a spec without them is refused naming the method (not a TypeError).
+    learner: type = attrs.field(default=None, validator=_learner)
+    summary: str = attrs.field(default=None, validator=_summary)
     buffers: tuple[str, ...] = attrs.field(
         default=_SHARED_BUFFERS, converter=tuple, validator=_buffers
     )
@@ -162,7 +163,8 @@ def learner_arguments(learner: type) -> frozenset[str]:
 
 
 METHODS: dict[str, MethodSpec] = {}
-"""Every registered method by name, in registration order."""
+"""Every registered method by name: the package's methods sorted by name, then any registered
+later in registration order."""
 
 
 def register(spec: MethodSpec) -> MethodSpec:
