@@ -18,12 +18,24 @@ Example:
 from __future__ import annotations
 
 from renate_events.components.cls import WeightedCLSLossComponent
-from renate_events.components.component import BatchMemory, Component, Inputs, call_model
+from renate_events.components.component import (
+    BatchMemory,
+    Component,
+    Inputs,
+    call_model,
+    real_from,
+)
 from renate_events.components.distillation import OldModelDistillation
 from renate_events.components.features import (
     IntermediateRepresentations,
     copy_without_hooks,
     record_intermediate_representations,
+)
+from renate_events.components.generators import (
+    SEED_LIMIT,
+    check_seed,
+    new_generator,
+    restore_generator,
 )
 from renate_events.components.losses import (
     DISTILLATION_TYPES,
@@ -39,6 +51,7 @@ from renate_events.components.reinitialization import (
 
 __all__ = [
     "DISTILLATION_TYPES",
+    "SEED_LIMIT",
     "BatchMemory",
     "Component",
     "Inputs",
@@ -52,6 +65,10 @@ __all__ = [
     "WeightedMeanSquaredErrorLossComponent",
     "WeightedPooledOutputDistillationLossComponent",
     "call_model",
+    "check_seed",
     "copy_without_hooks",
+    "new_generator",
+    "real_from",
     "record_intermediate_representations",
+    "restore_generator",
 ]
