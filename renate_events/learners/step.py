@@ -376,6 +376,11 @@ class ReplayStep:
         return [] if self._recorder is None else list(self._recorder.representations)
 
     def _seen(self, targets: torch.Tensor, classes: int) -> torch.Tensor:
+        """The ``(classes,)`` bool mask of the logits the new-data loss keeps with
+        ``mask_unused_classes``: the classes of this update's batches so far, ``targets``
+        included (kept in ``_seen_classes`` and in checkpoints). A preset that masks other
+        classes overrides it; it runs once per step, so it must not synchronise with the device.
+        """
         seen = self._seen_classes
         if seen is None or seen.numel() != classes or seen.device != targets.device:
             grown = torch.zeros(classes, dtype=torch.bool, device=targets.device)
