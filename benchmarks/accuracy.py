@@ -7,7 +7,9 @@ nearest-mean-of-exemplars classifier on the hidden layer's features) and Joint w
 line's defaults (MLP 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32,
 reservoir of 200; EWC and LwF keep no memory) on Split-Digits (class-incremental, five two-class
 tasks) and prints average accuracy (class- and task-incremental), forgetting and wall time per
-run.
+run. Every method of the registry (``renate_events.methods.METHODS``) has a row: those above
+under their names, any other under its registry name with its defaults, its memory, features and
+classifier as its spec declares them.
 
 Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
 """
@@ -23,8 +25,8 @@ import torch
 from renate_events import evaluation
 from renate_events.choices import BUFFERS
 from renate_events.cli._zoo import mlp
-from renate_events.learners import ICaRLLearner
 from renate_events.methods import LEARNERS
+from renate_events.methods import METHODS as SPECS
 from renate_events.scenarios import split_digits
 from trainer import Trainer
 
@@ -50,7 +52,9 @@ METHODS = {
     "iCaRL": ("icarl", {"feature_modules": ["1"]}),
     "Joint": ("joint", {}),
 }
-MEMORY_FREE = ("fine-tuning", "joint", "ewc", "lwf")
+# A row for every other registered method (a new method module shows up here unchanged).
+_COVERED = {name for name, _ in METHODS.values()}
+METHODS.update({name: (name, {}) for name in LEARNERS if name not in _COVERED})
 
 
 def run(method: str, seed: int, epochs: int) -> dict[str, float]:
@@ -58,9 +62,12 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     tasks = split_digits(seed=seed).tasks()
     torch.manual_seed(seed)
     model = mlp(64, [256], 10)
+    spec = SPECS[name]
     kwargs = {"memory_batch_size": 32, "batch_size": 32, "seed": seed, **extra}
-    if name not in MEMORY_FREE:
+    if spec.uses_memory:
         kwargs["memory_size"] = 200
+    if spec.features != "none":
+        kwargs.setdefault("feature_modules", ["1"])  # the hidden layer's output
     if "buffer" in kwargs:  # a buffer by its command-line name, of the memory's size
         kwargs["buffer"] = BUFFERS[kwargs["buffer"]](max_size=200, seed=seed)
     learner = LEARNERS[name](
@@ -73,7 +80,7 @@ def run(method: str, seed: int, epochs: int) -> dict[str, float]:
     start = time.perf_counter()
     for task in tasks:
         learner.fit(task.train)
-        evaluated = learner.nme_classifier() if isinstance(learner, ICaRLLearner) else model
+        evaluated = learner.nme_classifier() if spec.classifier == "nme" else model
         class_matrix.append(evaluation.evaluate(evaluated, tasks, mode="class-incremental"))
         task_matrix.append(evaluation.evaluate(evaluated, tasks, mode="task-incremental"))
     return {

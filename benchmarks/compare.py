@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from _report import command_line, page_header, write_page
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
+from renate_events.methods import ExperienceReplayLearner
 from trainer import EVENTS, TensorLoader, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

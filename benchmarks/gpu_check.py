@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
 from renate_events.memory import ReservoirBuffer
+from renate_events.methods import ExperienceReplayLearner
 from trainer import TensorLoader, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

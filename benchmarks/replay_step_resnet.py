@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from _report import command_line, page_header, write_page
 
-from renate_events.learners import DarkExperienceReplayLearner
 from renate_events.memory import ReservoirBuffer
+from renate_events.methods import DarkExperienceReplayLearner
 from renate_events.models import resnet18
 from renate_events.transforms import cifar_train_transform
 from trainer import TensorLoader, Trainer

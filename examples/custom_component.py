@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.components import Component
-from renate_events.learners import DarkExperienceReplayLearner
+from renate_events.methods import DarkExperienceReplayLearner
 from trainer import Trainer
 
 

@@ -234,11 +234,13 @@ def _settings_default(entry: Any) -> str:
 def _preset_rows() -> list[list[str]]:
     import torch
 
+    from renate_events import components as shared_components
     from renate_events.learners import BaseExperienceReplayLearner
     from renate_events.methods import LEARNERS
     from trainer import Trainer
 
     base_fields = {f.name: f for f in attrs.fields(BaseExperienceReplayLearner)}
+    shared = set(shared_components.__all__)
     rows = []
     for name, cls in LEARNERS.items():
         own = []
@@ -259,14 +261,15 @@ def _preset_rows() -> list[list[str]]:
             detail = [f"weight {component.weight:g}"] if component.weight else ["no loss"]
             if component.sample_new_memory_batch:
                 detail.append("fresh memory batch")
+            kind = type(component)  # a shared component, or one of its method's module
+            home = "renate_events.components" if kind.__name__ in shared else kind.__module__
             components.append(
-                f"| ``{key}``: :class:`~renate_events.components.{type(component).__name__}`"
-                f" ({', '.join(detail)})"
+                f"| ``{key}``: :class:`~{home}.{kind.__name__}` ({', '.join(detail)})"
             )
         rows.append(
             [
                 f"``{name}``",
-                f":class:`~renate_events.learners.{cls.__name__}`",
+                f":class:`~renate_events.methods.{cls.__name__}`",
                 "\n".join(f"| {item}" for item in own) or "—",
                 "\n".join(components) or "none",
             ]

@@ -2,6 +2,9 @@
 
 Components are attrs classes whose ``on_<event>`` methods a training loop calls with keyword
 arguments and whose :meth:`~Component.loss` is added to the training loss on memory batches.
+The components here are shared by several methods (or meant for your own presets); a component
+only one method uses lives in that method's module of :mod:`renate_events.methods` (EWC's, LwF's,
+iCaRL's).
 
 Example:
     >>> import torch
@@ -15,24 +18,24 @@ Example:
 from __future__ import annotations
 
 from renate_events.components.cls import WeightedCLSLossComponent
-from renate_events.components.component import BatchMemory, Component, Inputs, call_model
-from renate_events.components.ewc import (
-    EWC_MODES,
-    ElasticWeightConsolidationComponent,
-    empirical_fisher,
+from renate_events.components.component import (
+    BatchMemory,
+    Component,
+    Inputs,
+    call_model,
+    real_from,
 )
+from renate_events.components.distillation import OldModelDistillation
 from renate_events.components.features import (
     IntermediateRepresentations,
     copy_without_hooks,
     record_intermediate_representations,
 )
-from renate_events.components.icarl import (
-    ICaRLLossComponent,
-    NearestMeanOfExemplarsClassifier,
-    check_class_means,
-    exemplar_means,
-    icarl_loss,
-    module_features,
+from renate_events.components.generators import (
+    SEED_LIMIT,
+    check_seed,
+    new_generator,
+    restore_generator,
 )
 from renate_events.components.losses import (
     DISTILLATION_TYPES,
@@ -41,7 +44,6 @@ from renate_events.components.losses import (
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
 )
-from renate_events.components.lwf import LearningWithoutForgettingComponent, distillation_loss
 from renate_events.components.reinitialization import (
     ReinitializationComponent,
     ShrinkAndPerturbReinitializationComponent,
@@ -49,15 +51,12 @@ from renate_events.components.reinitialization import (
 
 __all__ = [
     "DISTILLATION_TYPES",
-    "EWC_MODES",
+    "SEED_LIMIT",
     "BatchMemory",
     "Component",
-    "ElasticWeightConsolidationComponent",
-    "ICaRLLossComponent",
     "Inputs",
     "IntermediateRepresentations",
-    "LearningWithoutForgettingComponent",
-    "NearestMeanOfExemplarsClassifier",
+    "OldModelDistillation",
     "ReinitializationComponent",
     "ShrinkAndPerturbReinitializationComponent",
     "WeightedCLSLossComponent",
@@ -66,12 +65,10 @@ __all__ = [
     "WeightedMeanSquaredErrorLossComponent",
     "WeightedPooledOutputDistillationLossComponent",
     "call_model",
-    "check_class_means",
+    "check_seed",
     "copy_without_hooks",
-    "distillation_loss",
-    "empirical_fisher",
-    "exemplar_means",
-    "icarl_loss",
-    "module_features",
+    "new_generator",
+    "real_from",
     "record_intermediate_representations",
+    "restore_generator",
 ]

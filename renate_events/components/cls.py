@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from renate_events.components import _rng
-from renate_events.components.component import BatchMemory, _real_from
+from renate_events.components.component import BatchMemory, real_from
 from renate_events.components.features import copy_without_hooks
+from renate_events.components.generators import check_seed, new_generator, restore_generator
 from renate_events.components.losses import WeightedLossComponent
 from renate_events.inference import call_model
 from trainer import validators as v
@@ -76,7 +76,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
         1
     """
 
-    weight: float = attrs.field(default=0.1, validator=_real_from(0.0))
+    weight: float = attrs.field(default=0.1, validator=real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
     stable_model_update_weight: float = attrs.field(
         default=0.999,
@@ -112,7 +112,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
     )
     seed: int = attrs.field(
         default=0,
-        validator=_rng.check_seed,
+        validator=check_seed,
         on_setattr=attrs.setters.frozen,
     )
     _iteration: int = attrs.field(init=False, default=0, repr=False)
@@ -129,7 +129,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
         return self.weight > 0
 
     def __attrs_post_init__(self) -> None:
-        self._generator = _rng.new_generator(self.seed)
+        self._generator = new_generator(self.seed)
 
     @property
     def iteration(self) -> int:
@@ -183,7 +183,7 @@ class WeightedCLSLossComponent(WeightedLossComponent):
             raise ValueError(
                 f"{name}: checkpoint has only {sorted(states)} of {list(_CHECKPOINT_MODELS)}"
             )
-        _rng.restore_generator(self._generator, checkpoint["generator_state"], name)
+        restore_generator(self._generator, checkpoint["generator_state"], name)
         self._iteration = int(checkpoint["iteration"])
         if not states:
             return

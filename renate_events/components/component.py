@@ -14,14 +14,15 @@ from renate_events.inference import call_model
 from renate_events.memory import BatchMemory
 from trainer import validators as v
 
-__all__ = ["BatchMemory", "Component", "Inputs", "call_model"]
+__all__ = ["BatchMemory", "Component", "Inputs", "call_model", "real_from"]
 
 #: Model inputs: a tensor, or a (nested) tuple/dict of tensors.
 Inputs = Union[torch.Tensor, tuple[Any, ...], Mapping[str, Any]]
 
 
-def _real_from(low: float, *, low_open: bool = False) -> Callable[[Any, Any, Any], None]:
-    """``trainer.validators.real_in_range(low, low_open=...)``, its message giving the allowed
+def real_from(low: float, *, low_open: bool = False) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator of a real number in ``[low, inf)`` (``(low, inf)`` with ``low_open``):
+    ``trainer.validators.real_in_range(low, low_open=...)``, its message giving the allowed
     values as an interval, as the components' always have: ``Component.weight must be a real
     number in [0, inf), got -1``."""
     check = v.real_in_range(low, low_open=low_open)
@@ -66,7 +67,7 @@ class Component(abc.ABC):  # noqa: B024 - abstract by intent; every hook is opti
         (1, tensor(0.))
     """
 
-    weight: float = attrs.field(default=0.0, validator=_real_from(0.0))
+    weight: float = attrs.field(default=0.0, validator=real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def loss(

@@ -10,7 +10,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from renate_events.components.component import BatchMemory, Component, _real_from
+from renate_events.components.component import BatchMemory, Component, real_from
 from trainer import validators as v
 
 #: The pooling variants of :class:`WeightedPooledOutputDistillationLossComponent`.
@@ -29,7 +29,7 @@ class WeightedLossComponent(Component):
         sample_new_memory_batch: Whether the loop should draw a fresh memory batch for this loss.
     """
 
-    weight: float = attrs.field(default=1.0, validator=_real_from(0.0))
+    weight: float = attrs.field(default=1.0, validator=real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def loss(
@@ -79,7 +79,7 @@ class WeightedCustomLossComponent(WeightedLossComponent):
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = attrs.field(
         validator=v.is_callable("(outputs, targets) -> loss tensor")
     )
-    weight: float = attrs.field(default=1.0, validator=_real_from(0.0))
+    weight: float = attrs.field(default=1.0, validator=real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
 
     def _component_loss(

@@ -10,8 +10,8 @@ import attrs
 import torch
 from torch import nn
 
-from renate_events.components import _rng
-from renate_events.components.component import Component, _real_from
+from renate_events.components.component import Component, real_from
+from renate_events.components.generators import check_seed, new_generator, restore_generator
 from trainer import validators as v
 
 
@@ -66,19 +66,19 @@ class ShrinkAndPerturbReinitializationComponent(Component):
         tensor([[0.5000, 0.5000]], requires_grad=True)
     """
 
-    shrink_factor: float = attrs.field(validator=_real_from(0.0, low_open=True))
-    sigma: float = attrs.field(validator=_real_from(0.0))
+    shrink_factor: float = attrs.field(validator=real_from(0.0, low_open=True))
+    sigma: float = attrs.field(validator=real_from(0.0))
     seed: int = attrs.field(
         default=0,
-        validator=_rng.check_seed,
+        validator=check_seed,
         on_setattr=attrs.setters.frozen,
     )
-    weight: float = attrs.field(default=0.0, validator=_real_from(0.0))
+    weight: float = attrs.field(default=0.0, validator=real_from(0.0))
     sample_new_memory_batch: bool = attrs.field(default=False, validator=v.boolean)
     _generator: torch.Generator = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self._generator = _rng.new_generator(self.seed)
+        self._generator = new_generator(self.seed)
 
     @torch.no_grad()
     def on_train_start(self, model: nn.Module) -> None:
@@ -117,4 +117,4 @@ class ShrinkAndPerturbReinitializationComponent(Component):
             raise ValueError(
                 f"{name}: checkpoint lacks 'generator_state'; keys: {sorted(checkpoint)}"
             )
-        _rng.restore_generator(self._generator, checkpoint["generator_state"], name)
+        restore_generator(self._generator, checkpoint["generator_state"], name)

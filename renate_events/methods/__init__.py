@@ -1,8 +1,16 @@
-"""Continual-learning methods: one spec per method in one registry.
+"""Continual-learning methods: one module per method, each registering one spec.
 
-Every method is declared by a :class:`MethodSpec` (name, learner class, buffers, what it needs
-from the model, how it is evaluated); :data:`METHODS` holds them all and :data:`LEARNERS` maps each
-name to its learner class.
+A method is one module of this package: its learner (a preset of
+:class:`~renate_events.learners.BaseExperienceReplayLearner`), the components and listeners only it
+uses, and its :class:`MethodSpec` (name, learner class, buffers, what it needs from the model, how
+it is evaluated), registered with ``SPEC = register(MethodSpec(...))``. This package imports every
+module it holds (all but :mod:`~renate_events.methods.registry` and names starting with ``_``),
+so adding a method is adding one module; a module that registers no spec, a
+spec that is incomplete and a name registered twice are errors at import, naming the method.
+
+:data:`METHODS` holds the specs (sorted by name once every module is imported; a method
+registered later follows them), :data:`LEARNERS` maps each name to its learner class, and every
+learner class is importable from here.
 
 Example:
     >>> from renate_events.methods import LEARNERS, method
@@ -12,24 +20,13 @@ Example:
 
 from __future__ import annotations
 
-from renate_events.learners import (
-    CLSExperienceReplayLearner,
-    DarkExperienceReplayLearner,
-    ElasticWeightConsolidationLearner,
-    ExperienceReplayLearner,
-    FineTuningLearner,
-    GDumbLearner,
-    ICaRLLearner,
-    JointLearner,
-    LearningWithoutForgettingLearner,
-    OfflineExperienceReplayLearner,
-    PooledOutputDistillationExperienceReplayLearner,
-    RepeatedDistillationLearner,
-    SuperExperienceReplayLearner,
-)
-from renate_events.methods._registry import (
+import importlib
+import pkgutil
+
+from renate_events.methods.registry import (
     BUFFER_KINDS,
     CLASSIFIERS,
+    DEFAULT_METHOD,
     FEATURES,
     LEARNER_OBJECTS,
     METHODS,
@@ -41,9 +38,40 @@ from renate_events.methods._registry import (
     register,
 )
 
+_NOT_METHODS = frozenset({"registry"})  # the registry itself
+
+
+def _import_method_modules() -> None:
+    """Import every method module of this package, in alphabetical order; each must register
+    the spec it names ``SPEC``."""
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if info.name.startswith("_") or info.name in _NOT_METHODS:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        spec = getattr(module, "SPEC", None)
+        if not isinstance(spec, MethodSpec) or METHODS.get(spec.name) is not spec:
+            raise MethodSpecError(
+                f"the method module {module.__name__} registers no method: define "
+                "SPEC = register(MethodSpec(name=..., learner=..., summary=...)) in it"
+            )
+    for name in sorted(METHODS):  # by name, whatever order the modules' imports registered them
+        METHODS[name] = METHODS.pop(name)
+
+
+_import_method_modules()
+
+LEARNERS = {name: spec.learner for name, spec in METHODS.items()}
+"""Learner classes by method name, in the order of :data:`METHODS`. ``"der"`` is
+:class:`~renate_events.methods.DarkExperienceReplayLearner` with Renate's defaults (DER++);
+pass ``beta=0`` for DER."""
+
+# Every learner class under its own name (``from renate_events.methods import ICaRLLearner``).
+globals().update({learner.__name__: learner for learner in LEARNERS.values()})
+
 __all__ = [
     "BUFFER_KINDS",
     "CLASSIFIERS",
+    "DEFAULT_METHOD",
     "FEATURES",
     "LEARNERS",
     "LEARNER_OBJECTS",
@@ -55,69 +83,5 @@ __all__ = [
     "method_of",
     "register",
 ]
-
-_MEMORY_FREE = {"uses_memory": False}
-for _spec in (
-    MethodSpec("fine-tuning", FineTuningLearner, "fine-tuning: no replay", **_MEMORY_FREE),
-    MethodSpec("er", ExperienceReplayLearner, "experience replay (Chaudhry et al. 2019)"),
-    MethodSpec("der", DarkExperienceReplayLearner, "DER++ (Buzzega et al., NeurIPS 2020)"),
-    MethodSpec(
-        "pod-er",
-        PooledOutputDistillationExperienceReplayLearner,
-        "PODNet distillation with replay (Douillard et al., ECCV 2020)",
-        features="hidden",
-    ),
-    MethodSpec("cls-er", CLSExperienceReplayLearner, "CLS-ER (Arani et al., ICLR 2022)"),
-    MethodSpec(
-        "super-er",
-        SuperExperienceReplayLearner,
-        "Renate's Super-ER: DER++, POD, CLS-ER and shrink-perturb together",
-        features="hidden",
-    ),
-    MethodSpec(
-        "joint",
-        JointLearner,
-        "joint training on all data so far",
-        own_buffer=True,
-        **_MEMORY_FREE,
-    ),
-    MethodSpec(
-        "ewc",
-        ElasticWeightConsolidationLearner,
-        "EWC (Kirkpatrick et al., PNAS 2017)",
-        **_MEMORY_FREE,
-    ),
-    MethodSpec(
-        "lwf",
-        LearningWithoutForgettingLearner,
-        "LwF (Li and Hoiem, TPAMI 2017)",
-        **_MEMORY_FREE,
-    ),
-    MethodSpec("offline-er", OfflineExperienceReplayLearner, "Offline-ER (Renate)"),
-    MethodSpec(
-        "gdumb",
-        GDumbLearner,
-        "GDumb (Prabhu et al., ECCV 2020)",
-        buffers=("greedy-class-balancing",),
-        default_buffer="greedy-class-balancing",
-    ),
-    MethodSpec(
-        "icarl",
-        ICaRLLearner,
-        "iCaRL (Rebuffi et al., CVPR 2017)",
-        buffers=("herding",),
-        default_buffer="herding",
-        features="last-hidden",
-        classifier="nme",
-    ),
-    MethodSpec(
-        "repeated-distill",
-        RepeatedDistillationLearner,
-        "repeated distillation (Renate)",
-    ),
-):
-    register(_spec)
-
-LEARNERS = {name: spec.learner for name, spec in METHODS.items()}
-"""Learner classes by method name. ``"der"`` is :class:`DarkExperienceReplayLearner` with
-Renate's defaults (DER++); pass ``beta=0`` for DER."""
+__all__ += [learner.__name__ for learner in LEARNERS.values()]
+__all__.sort()

@@ -6,11 +6,10 @@ from __future__ import annotations
 import attrs
 
 from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS
-from renate_events.methods import CLASSIFIERS, LEARNERS, METHODS, MethodSpec, method
+from renate_events.methods import CLASSIFIERS, DEFAULT_METHOD, LEARNERS, METHODS, MethodSpec, method
 from renate_events.models import MODELS
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.settings._record import Setting, device, list_of_ints, model_args
-from renate_events.updater import ModelUpdater
 
 __all__ = ["COMMANDS", "MAX_SEED", "PRECISIONS", "SETTINGS", "commands_of", "setting"]
 
@@ -24,12 +23,8 @@ MAX_SEED = 2**63
 # -- help texts made from the method registry ----------------------------------------------------
 
 
-def _default_method() -> str:
-    return attrs.fields(ModelUpdater).learner.default
-
-
 def _learner_shown() -> str:
-    name = _default_method()
+    name = DEFAULT_METHOD
     return f"{name}, i.e. {method(name).summary.split(' (')[0]}"
 
 
@@ -250,7 +245,7 @@ _ALL = (
     Setting(
         "learner",
         "continual-learning method",
-        default=_default_method(),
+        default=DEFAULT_METHOD,
         choices=tuple(sorted(LEARNERS)),
         later=True,
         shown=_learner_shown,

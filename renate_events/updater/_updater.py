@@ -21,7 +21,7 @@ from torch import nn
 from renate_events.choices import BUFFER_STORAGES, BUFFERS, default_buffer, optimizer_factory
 from renate_events.config import ConfigFile
 from renate_events.learners import BaseExperienceReplayLearner
-from renate_events.methods import LEARNERS
+from renate_events.methods import DEFAULT_METHOD, LEARNERS
 from renate_events.state_folder import (
     StagedStateFolder,
     StateFolderError,
@@ -168,7 +168,7 @@ class ModelUpdater:
     """
 
     model: nn.Module = attrs.field(validator=attrs.validators.instance_of(nn.Module))
-    learner: str = attrs.field(default="der", validator=checks.one_of(*LEARNERS))
+    learner: str = attrs.field(default=DEFAULT_METHOD, validator=checks.one_of(*LEARNERS))
     learner_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=check_learner_kwargs)
     optimizer: dict[str, Any] | Callable[..., torch.optim.Optimizer] = attrs.field(
         factory=lambda: {"name": "adam", "lr": 1e-3}, validator=_optimizer_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from renate_events.config import ConfigError, load_config
-from renate_events.learners import ExperienceReplayLearner
+from renate_events.methods import ExperienceReplayLearner
 from tests.helpers import ROOT
 from tests.renate_events.test_datasets_cifar import write_cifar10
 from trainer import Trainer

@@ -94,6 +94,13 @@ MAX_CLASS_LINES = 400
 OVERSIZED: dict[str, int] = {
     # the public buffer API and its subclass hooks: 200 lines of code, the rest docstrings
     "renate_events.memory.base.DataBuffer": 445,
+    # the file format in one module (STYLE.md 6): reader and writer share the digests and the
+    # tree codec, and the hostile-file tests patch the module's globals
+    "trainer.checkpoint": 880,
+    # within a few lines of the target: the loop's phases and the per-batch path in one class
+    "trainer.trainer.Trainer": 405,
+    # its docstring (130 lines) documents every argument and feeds the docs' settings tables
+    "renate_events.learners.base.BaseExperienceReplayLearner": 405,
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import PooledOutputDistillationExperienceReplayLearner
+from renate_events.methods import PooledOutputDistillationExperienceReplayLearner
 from renate_events.models import MODELS, build_model, mlp
 from trainer import Trainer
 

@@ -110,7 +110,7 @@ class _Trial:
 
 
 def test_the_pruner_listener_reports_and_stops_the_fit():
-    from renate_events.learners import ExperienceReplayLearner
+    from renate_events.methods import ExperienceReplayLearner
     from trainer import Trainer
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))

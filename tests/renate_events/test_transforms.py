@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import (
+from renate_events.methods import (
     ElasticWeightConsolidationLearner,
     ExperienceReplayLearner,
     GDumbLearner,

@@ -17,7 +17,7 @@ import attrs
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import DarkExperienceReplayLearner
+from renate_events.methods import DarkExperienceReplayLearner
 from trainer import Trainer
 
 

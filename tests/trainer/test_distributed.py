@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from renate_events.learners import ExperienceReplayLearner, FineTuningLearner
+from renate_events.methods import ExperienceReplayLearner, FineTuningLearner
 from tests.helpers import fresh_processes
 from trainer import CheckpointMismatchError, TensorLoader, Trainer
 from trainer.checkpoint import read_checkpoint

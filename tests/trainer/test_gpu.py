@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
 from renate_events.memory import ReservoirBuffer
+from renate_events.methods import ExperienceReplayLearner
 from trainer import TensorLoader, Trainer
 
 pytestmark = pytest.mark.gpu

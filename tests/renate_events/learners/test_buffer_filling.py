@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.hyperparameters import hyperparameters
-from renate_events.learners import (
+from renate_events.memory import GreedyClassBalancingBuffer
+from renate_events.methods import (
     CLSExperienceReplayLearner,
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,
@@ -21,7 +22,6 @@ from renate_events.learners import (
     PooledOutputDistillationExperienceReplayLearner,
     SuperExperienceReplayLearner,
 )
-from renate_events.memory import GreedyClassBalancingBuffer
 from renate_events.updater import ModelUpdater
 from tests.helpers import assert_same_tree
 from trainer import Trainer, read_checkpoint

@@ -15,8 +15,8 @@ from renate_events.components import (
     WeightedMeanSquaredErrorLossComponent,
     WeightedPooledOutputDistillationLossComponent,
 )
-from renate_events.learners import (
-    BaseExperienceReplayLearner,
+from renate_events.learners import BaseExperienceReplayLearner
+from renate_events.methods import (
     CLSExperienceReplayLearner,
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,

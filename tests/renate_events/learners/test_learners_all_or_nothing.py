@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import CLSExperienceReplayLearner
+from renate_events.methods import CLSExperienceReplayLearner
 from trainer import Trainer, read_checkpoint, write_checkpoint
 
 # `pytest -m all_or_nothing` runs this with the other tests of refusals that change nothing.

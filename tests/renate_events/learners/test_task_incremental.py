@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from renate_events.evaluation import evaluate
-from renate_events.learners import (
+from renate_events.methods import (
     CLSExperienceReplayLearner,
     DarkExperienceReplayLearner,
     ElasticWeightConsolidationLearner,

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import ExperienceReplayLearner
 from renate_events.memory import (
     GreedyClassBalancingBuffer,
     InfiniteBuffer,
@@ -25,6 +24,7 @@ from renate_events.memory.mapped import (
     MappedReservoirBuffer,
     MappedSlidingWindowBuffer,
 )
+from renate_events.methods import ExperienceReplayLearner
 from renate_events.transforms import ToFloat
 from trainer import Trainer, read_checkpoint
 

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from renate_events.components import ElasticWeightConsolidationComponent, empirical_fisher
-from renate_events.learners import ElasticWeightConsolidationLearner
-from renate_events.methods import LEARNERS
+from renate_events.methods import LEARNERS, ElasticWeightConsolidationLearner
+from renate_events.methods.ewc import ElasticWeightConsolidationComponent, empirical_fisher
 from tests.helpers import SCALED_TRANSFORMS, scaled, small_mlp, uint8_task
 from trainer import Trainer
 

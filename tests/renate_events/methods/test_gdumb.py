@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import GDumbLearner
 from renate_events.memory import GreedyClassBalancingBuffer
+from renate_events.methods import GDumbLearner
 from renate_events.transforms import ToFloat
 from renate_events.updater import ModelUpdater
 from tests.helpers import small_mlp, two_class_task

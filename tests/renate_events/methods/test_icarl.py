@@ -10,15 +10,15 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.cli import main
-from renate_events.components import (
+from renate_events.evaluation import evaluate
+from renate_events.memory import HerdingBuffer, ReservoirBuffer, herding_selection
+from renate_events.methods import ICaRLLearner
+from renate_events.methods.icarl import (
     ICaRLLossComponent,
     NearestMeanOfExemplarsClassifier,
     exemplar_means,
     icarl_loss,
 )
-from renate_events.evaluation import evaluate
-from renate_events.learners import ICaRLLearner
-from renate_events.memory import HerdingBuffer, ReservoirBuffer, herding_selection
 from renate_events.scenarios import ClassIncrementalScenario
 from renate_events.updater import ModelUpdater
 from tests.helpers import ROOT, assert_same_tree, parameters_of

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.components import LearningWithoutForgettingComponent, distillation_loss
-from renate_events.learners import ICaRLLearner, LearningWithoutForgettingLearner
-from renate_events.methods import LEARNERS
+from renate_events.methods import LEARNERS, ICaRLLearner, LearningWithoutForgettingLearner
+from renate_events.methods.lwf import LearningWithoutForgettingComponent, distillation_loss
 from tests.helpers import small_mlp, two_class_task
 from trainer import Trainer
 from trainer.exceptions import NonFiniteLossError

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from renate_events.learners import OfflineExperienceReplayLearner
+from renate_events.methods import OfflineExperienceReplayLearner
 from tests.helpers import small_mlp, two_class_task
 from trainer import Trainer
 

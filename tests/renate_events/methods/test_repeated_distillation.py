@@ -10,12 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.components import WeightedCustomLossComponent
-from renate_events.learners import (
-    RepeatedDistillationLearner,
-    _DistillationData,
-    double_distillation_loss,
-)
-from renate_events.methods import LEARNERS
+from renate_events.methods import LEARNERS, RepeatedDistillationLearner
+from renate_events.methods.repeated_distill import DistillationData, double_distillation_loss
 from renate_events.updater import ModelUpdater
 from tests.helpers import assert_same_tree, parameters_of
 from trainer import Trainer, read_checkpoint
@@ -53,7 +49,7 @@ def test_double_distillation_loss_by_hand():
 def test_the_step_loss_is_the_distillation_loss_on_a_buffer_batch_by_hand():
     learner = _learner()
     learner.fit(_data())
-    batch = _DistillationData(learner.buffer).__getitems__([0, 3, 5])
+    batch = DistillationData(learner.buffer).__getitems__([0, 3, 5])
     loss = float(learner.training_step(batch)["loss"].detach())
     inputs, _, stored = batch
     with torch.no_grad():
@@ -76,7 +72,7 @@ class _Targets:
 
 
 def test_the_targets_are_an_experts_logits_trained_on_the_new_data_from_scratch():
-    from renate_events.learners import BaseExperienceReplayLearner, _derived_seed
+    from renate_events.learners import BaseExperienceReplayLearner, derived_seed
 
     data = _data()
     learner = _learner()
@@ -85,7 +81,7 @@ def test_the_targets_are_an_experts_logits_trained_on_the_new_data_from_scratch(
     learner.fit(data)
     # The expert by hand: a fresh copy of the model, re-initialised, fine-tuned on the data alone.
     expert = _model(seed=99)  # its initial weights are replaced by the re-initialisation
-    torch.manual_seed(_derived_seed(2, 3))
+    torch.manual_seed(derived_seed(2, 3))
     for module in expert.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -1,4 +1,5 @@
-"""Private random number generators of components, saved and restored through checkpoints."""
+"""Random number generators of components (their own, independent of torch's global one), seeded,
+saved and restored through checkpoints."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import attrs
 import torch
 
 from trainer import validators
+
+__all__ = ["SEED_LIMIT", "check_seed", "new_generator", "restore_generator"]
 
 #: Seeds accepted by ``torch.Generator.manual_seed`` (non-negative part).
 SEED_LIMIT = 2**64

@@ -22,6 +22,7 @@ from trainer import validators
 __all__ = [
     "BUFFER_KINDS",
     "CLASSIFIERS",
+    "DEFAULT_METHOD",
     "FEATURES",
     "LEARNER_OBJECTS",
     "METHODS",
@@ -33,8 +34,12 @@ __all__ = [
     "register",
 ]
 
+DEFAULT_METHOD = "der"
+"""The method ``ModelUpdater`` and the command line use when none is named: DER++ (Buzzega et al.,
+NeurIPS 2020) with Renate's defaults."""
+
 BUFFER_KINDS = ("reservoir", "sliding-window", "greedy-class-balancing", "herding")
-"""Every buffer name a spec may list (the keys of ``renate_events.updater.BUFFERS``)."""
+"""Every buffer name a spec may list (the keys of ``renate_events.choices.BUFFERS``)."""
 _SHARED_BUFFERS = ("reservoir", "sliding-window", "greedy-class-balancing")
 
 FEATURES = ("none", "hidden", "last-hidden")
@@ -130,8 +135,9 @@ class MethodSpec:
     """
 
     name: str = attrs.field(validator=_name)
-    learner: type = attrs.field(validator=_learner)
-    summary: str = attrs.field(validator=_summary)
+    # None by default, so that a spec without them is refused naming the method (not a TypeError).
+    learner: type = attrs.field(default=None, validator=_learner)
+    summary: str = attrs.field(default=None, validator=_summary)
     buffers: tuple[str, ...] = attrs.field(
         default=_SHARED_BUFFERS, converter=tuple, validator=_buffers
     )
@@ -162,7 +168,8 @@ def learner_arguments(learner: type) -> frozenset[str]:
 
 
 METHODS: dict[str, MethodSpec] = {}
-"""Every registered method by name, in registration order."""
+"""Every registered method by name: the package's methods sorted by name, then any registered
+later in registration order."""
 
 
 def register(spec: MethodSpec) -> MethodSpec:

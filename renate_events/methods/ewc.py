@@ -1,4 +1,5 @@
-"""Elastic Weight Consolidation: a quadratic penalty weighted by the diagonal Fisher information.
+"""Elastic weight consolidation (EWC): a quadratic penalty weighted by the diagonal Fisher
+information, and its memory-free learner.
 
 Kirkpatrick et al., "Overcoming catastrophic forgetting in neural networks", PNAS 2017; the
 online variant with a decaying Fisher sum is from Schwarz et al., "Progress & Compress: A
@@ -15,11 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from renate_events.components.component import Component, call_model
+from renate_events.components import Component
+from renate_events.inference import call_model
+from renate_events.learners import BaseExperienceReplayLearner, ReplayOnlyForMemoryLosses
+from renate_events.methods.registry import MethodSpec, register
 from trainer import validators as v
 from trainer.data import to_device
 
-__all__ = ["EWC_MODES", "ElasticWeightConsolidationComponent", "empirical_fisher"]
+__all__ = [
+    "EWC_MODES",
+    "SPEC",
+    "ElasticWeightConsolidationComponent",
+    "ElasticWeightConsolidationLearner",
+    "empirical_fisher",
+]
 
 #: ``"separate"``: one penalty per earlier update (its Fisher and its parameters);
 #: ``"online"``: one penalty with ``F = decay_factor * F_old + F_new`` around the last parameters.
@@ -276,3 +286,50 @@ class ElasticWeightConsolidationComponent(Component):
                     f"{type(self).__name__}: checkpoint {where}[{key!r}] has shape "
                     f"{tuple(tensor.shape)}, the parameter {shapes[key]}"
                 )
+
+
+@attrs.define(eq=False)
+class ElasticWeightConsolidationLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
+    """EWC: fine-tuning plus a Fisher-weighted quadratic penalty towards earlier parameters.
+
+    Kirkpatrick et al., "Overcoming catastrophic forgetting in neural networks", PNAS 2017;
+    ``ewc_mode="online"`` with ``decay_factor`` is online EWC (Schwarz et al., "Progress &
+    Compress", ICML 2018). Renate's default ``ewc_lambda = 0.4``; Avalanche's ``mode =
+    "separate"``. The component is ``ewc``
+    (:class:`ElasticWeightConsolidationComponent`); no memory by default, and with a memory no
+    replay unless a component of your own has a memory weight.
+    """
+
+    memory_size: int = attrs.field(default=0, validator=v.int_at_least(0))
+    ewc_lambda: float = attrs.field(default=0.4, kw_only=True, validator=v.real_in_range(0))
+    ewc_mode: str = attrs.field(
+        default="separate", kw_only=True, validator=v.one_of("separate", "online")
+    )
+    decay_factor: float | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=v.real_in_range(0, 1, low_open=True, optional=True),
+    )
+
+    def default_components(self) -> dict[str, Component]:
+        return {
+            "ewc": ElasticWeightConsolidationComponent(
+                ewc_lambda=self.ewc_lambda,
+                mode=self.ewc_mode,
+                decay_factor=self.decay_factor,
+                loss_fn=self.loss_fn,
+                transform=self.train_transform,
+                target_transform=self.train_target_transform,
+            )
+        }
+
+
+SPEC = register(
+    MethodSpec(
+        name="ewc",
+        learner=ElasticWeightConsolidationLearner,
+        summary="EWC: a Fisher-weighted penalty towards earlier parameters, no memory (Kirkpatrick "
+        "et al., 'Overcoming catastrophic forgetting in neural networks', PNAS 2017)",
+        uses_memory=False,
+    )
+)
