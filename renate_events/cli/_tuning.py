@@ -16,6 +16,7 @@ from renate_events.cli._updaters import (
     config_updater,
     learner_settings,
     optimizer_setting,
+    scratch_setting,
     selection_settings,
     trainer_setting,
 )
@@ -316,4 +317,5 @@ class _TrialRunner:
             lock_timeout=self.options.lock_timeout,
             accept_config_change=self.options.accept_config_change,
             **self.selection,
+            **scratch_setting(self.options),
         )
