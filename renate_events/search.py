@@ -30,6 +30,8 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,15 +42,18 @@ from trainer import validators
 __all__ = [
     "OPTIONS",
     "PRUNERS",
+    "WORKER",
     "Choice",
     "FloatRange",
     "IntRange",
     "SearchSpaceError",
     "TrialPruner",
     "earlier_best",
+    "fail_dead_trials",
     "parse_space",
     "suggest",
     "trials_table",
+    "worker_id",
 ]
 
 OPTIONS = ("lr", "epochs", "batch_size", "memory_batch_size", "memory_size", "learner", "buffer")
@@ -246,6 +251,58 @@ def create_study(
         study_name=name,
         load_if_exists=storage is not None,
     )
+
+
+WORKER = "worker"
+"""The user attribute naming the process that runs a trial (:func:`worker_id`)."""
+
+
+def worker_id() -> str:
+    """This process as ``host:pid:start``: its start time (in clock ticks since boot, from
+    ``/proc``; empty where there is none) tells it from a later process given the same pid."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()  # after the command's name
+    except (OSError, IndexError):
+        return ""
+    return fields[19] if len(fields) > 19 else ""  # field 22, starttime; fields[0] is field 3
+
+
+def _gone(worker: Any) -> bool:
+    """Whether the process ``worker`` (a :func:`worker_id`) has ended: known only on its host."""
+    if not isinstance(worker, str) or worker.count(":") < 2:
+        return False  # no record (another tool, an older version): cannot tell
+    host, pid, started = worker.rsplit(":", 2)
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # another machine's worker: it may still run
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # another user's process with that pid
+    return _start_time(int(pid)) != started
+
+
+def fail_dead_trials(optuna: Any, study: Any) -> list[int]:
+    """Mark FAIL the study's RUNNING trials whose worker process has ended (killed, or its
+    machine restarted), so that the study and ``search.csv`` say so; returns their numbers.
+
+    A trial records its worker (:data:`WORKER`) when it starts. A trial whose worker ran on
+    another machine, or that has no record, is left RUNNING: it may still run. (Optuna's
+    heartbeat, ``RDBStorage(heartbeat_interval=...)``, is experimental, needs a storage object
+    where ``--search-storage`` is a URL, and fails a trial only after its grace period: the next
+    run right after a kill would still see it RUNNING.)
+    """
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    failed = [trial.number for trial in running if _gone(trial.user_attrs.get(WORKER))]
+    for number in failed:  # skip_if_finished: another process may have failed it first
+        study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    return failed
 
 
 Objective = Callable[[Any], float]

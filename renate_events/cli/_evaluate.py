@@ -12,7 +12,7 @@ import torch
 from renate_events.cli._data_files import fitted, load_data_file
 from renate_events.cli._errors import UsageError
 from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
-from renate_events.cli._updaters import config_updater, updater_from_folder
+from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
 from renate_events.cli._zoo import check_data_dir, scenario_tasks
 from renate_events.config import ConfigFile
 from renate_events.inference import forward, inference, model_device
@@ -131,7 +131,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         raise UsageError("--chunk-ids needs --config-file")
     if options.data is not None:
         data = load_data_file(options.data)
-    updater, spec = updater_from_folder(options.state)
+    updater, spec = updater_from_folder(options.state, **scratch_setting(options))
     classifier = method_classifier(updater.learner_instance, options.classifier, options.state)
     model = evaluated(classifier, updater.transforms)
     if options.data is not None:
@@ -162,6 +162,7 @@ def _evaluate_from_config(options: Any) -> int:
         input_state_folder=options.state,
         validation_memory=manifest.get("validation_memory", False),
         accept_config_change=options.accept_config_change,
+        **scratch_setting(options),
     )
     model = for_evaluation(
         method_classifier(updater.learner_instance, options.classifier, options.state), config

@@ -16,6 +16,7 @@ from renate_events.cli._updaters import (
     config_updater,
     learner_settings,
     optimizer_setting,
+    scratch_setting,
     selection_settings,
     trainer_setting,
 )
@@ -68,6 +69,7 @@ def search_update(
     _try_every_value(runner, space, current)
     runner.check_validation()
     study = _study(optuna, options, selection["mode"])
+    search.fail_dead_trials(optuna, study)  # a killed worker's trials: FAIL, not RUNNING
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     finished = [t for t in study.trials if t.state in done]
     if current is not None and all(t.params != current for t in finished):
@@ -267,6 +269,7 @@ class _TrialRunner:
         """Train one trial's updater (pruned by the pruner); its best validation value."""
         from renate_events import search
 
+        trial.set_user_attr(search.WORKER, search.worker_id())  # see search.fail_dead_trials
         updater = self.updater(params)
         pruner = search.TrialPruner(trial, self.selection["metric"])
         trainer = updater.learner_instance.trainer
@@ -316,4 +319,5 @@ class _TrialRunner:
             lock_timeout=self.options.lock_timeout,
             accept_config_change=self.options.accept_config_change,
             **self.selection,
+            **scratch_setting(self.options),
         )

@@ -20,6 +20,7 @@ from renate_events.cli._tuning import search_update
 from renate_events.cli._updaters import (
     config_updater,
     progress,
+    scratch_setting,
     selection_settings,
     training_overrides,
     updater_from_folder,
@@ -50,12 +51,16 @@ def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     learner = options.learner or manifest["learner"]
     hyper = hyperparameter_values(values, learner, from_file, options.config)
     updater, spec = updater_from_folder(
-        options.input_state, options.lock_timeout, training_overrides(options), hyper
+        options.input_state,
+        options.lock_timeout,
+        training_overrides(options),
+        hyper,
+        output_state_folder=options.output_state,  # the mapped buffer's working files go beside it
+        in_place=options.in_place,
+        **scratch_setting(options),
     )
     check_same_model(options, spec, options.input_state)
     data = fitted(f"--data {options.data}", data, spec)
-    updater.output_state_folder = options.output_state
-    updater.in_place = options.in_place
     progress(updater.learner_instance, "update", not options.no_progress)
     result = updater.update(data, task_id=options.task_id)
     loss = result.metrics.get("train_loss", math.nan)
@@ -98,6 +103,7 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
         lock_timeout=options.lock_timeout,
         accept_config_change=options.accept_config_change,
         **selection_settings(options),
+        **scratch_setting(options),
     )
     train, val = config.data(chunk, options.seed)
     progress(updater.learner_instance, f"chunk {chunk}", not options.no_progress)

@@ -4,6 +4,7 @@ and loaded so that every check runs before anything trains."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "optimizer_setting",
     "optimizer_spec",
     "progress",
+    "scratch_setting",
     "selection_settings",
     "trainer_setting",
     "training_overrides",
@@ -179,6 +181,17 @@ def selection_settings(options: Any) -> dict[str, Any]:
     }
 
 
+def scratch_setting(options: Any) -> dict[str, Any]:
+    """``{"buffer_folder": --scratch-dir}`` for :class:`ModelUpdater` (nothing when not given),
+    the folder checked first so that a bad one is said as the option."""
+    folder = getattr(options, "scratch_dir", None)
+    if folder is None:
+        return {}
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--scratch-dir {folder} must be an existing folder that may be written")
+    return {"buffer_folder": folder}
+
+
 def config_updater(
     config: ConfigFile,
     overrides: Mapping[str, Any],
@@ -219,9 +232,11 @@ def updater_from_folder(
     lock_timeout: float | None = None,
     overrides: Mapping[str, Any] | None = None,
     hyper: Mapping[str, Any] | None = None,
+    **kwargs: Any,
 ) -> Any:
     """A :class:`ModelUpdater` with the folder's model (the command line's MLP or a zoo model),
-    loaded, and the model's description; everything checked first."""
+    loaded, and the model's description; everything checked first. ``kwargs`` are more
+    arguments of the updater (the output folder, ``buffer_folder``)."""
     if lock_timeout is None:
         lock_timeout = setting("lock_timeout").default
     manifest = read_manifest(folder, timeout=lock_timeout)
@@ -251,6 +266,7 @@ def updater_from_folder(
             lock_timeout=lock_timeout,
             validation_memory=manifest.get("validation_memory", False),
             **optimizer_setting(overrides, manifest, None),
+            **kwargs,
         )
         updater.learner_instance  # noqa: B018 - builds and loads, so that errors come now
     except StateFolderError:

@@ -27,7 +27,11 @@ Files and crash safety (snapshot on checkpoint, "write a new file and swap"):
 * :meth:`load_state_dict` checks the snapshot files (names, sizes, dtypes) before anything
   changes and copies them into fresh work files, reading them through a private mapping
   (``shared=False``), so that nothing this buffer does can write to them. Within
-  ``snapshots_from(folder)`` they are read from another folder.
+  ``snapshots_from(folder)`` they are read from another folder. A ``lazy=True`` buffer makes
+  no work files there: it reads the snapshot files in place (the same private mapping, so a
+  state on read-only or full storage can be read) and copies them into work files only before
+  its first write (:meth:`update`, :meth:`set_metadata`, or :meth:`make_writable`, which an
+  update calls before training so that a full disk refuses it before anything changes).
 
 A hard link of a work file into a state folder would share its blocks with a file that the next
 update writes in place, so the folder would change under its checksum: the snapshot is always a
@@ -219,9 +223,14 @@ class _WorkFiles:
     write_folder: pathlib.Path | None = None
     read_folder: pathlib.Path | None = None
     held: dict[str, tuple[int, int]] = attrs.field(factory=dict)  # name: (descriptor, generation)
+    # lazy loads: the snapshot tensors the next storage is (None: make work files), and whether
+    # the storage is now such snapshot files (read-only descriptors: copied before a write)
+    adopted: list[tuple[torch.Tensor, str]] | None = None
+    borrowed: bool = False
 
-    def replace(self, descriptors: list[int], paths: list[str]) -> None:
+    def replace(self, descriptors: list[int], paths: list[str], *, borrowed: bool = False) -> None:
         old, self.descriptors, self.paths = self.descriptors, descriptors, paths
+        self.borrowed = borrowed
         for fd in old:
             os.close(fd)  # the mappings stay valid without their descriptor
 
@@ -247,13 +256,14 @@ class _WorkFiles:
 
 class _MappedStorage:
     """The storage option: every storage tensor a memory-mapped file in ``folder`` (methods
-    only; each buffer class declares the fields ``folder``, ``name``, ``unlinked``,
+    only; each buffer class declares the fields ``folder``, ``name``, ``unlinked``, ``lazy``,
     ``_generation`` and ``_files``)."""
 
     __slots__ = ()
     folder: pathlib.Path
     name: str
     unlinked: bool
+    lazy: bool
     _generation: int
     _files: _WorkFiles
 
@@ -262,6 +272,8 @@ class _MappedStorage:
     ) -> list[torch.Tensor]:
         if torch.device(self.device).type != "cpu":  # type: ignore[attr-defined]
             raise ValueError(f"{type(self).__name__} keeps its storage on the CPU (mapped files)")
+        if self._files.adopted is not None:
+            return self._borrow(self._files.adopted)
         sizes = [_nbytes(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
         if self.unlinked:
             return self._unnamed_storage(shapes, dtypes, sizes)
@@ -294,6 +306,54 @@ class _MappedStorage:
             raise
         self._files.replace(descriptors, paths)
         return storage
+
+    def _borrow(self, snapshot: list[tuple[torch.Tensor, str]]) -> list[torch.Tensor]:
+        """The snapshot files being loaded as the storage itself (a lazy load): their private
+        mappings, and read-only descriptors (what :meth:`state_dict` copies from). The base's
+        copy of the loaded rows into this storage is then a copy onto itself, which torch skips.
+        """
+        descriptors: list[int] = []
+        for _, path in snapshot:
+            try:
+                descriptors.append(os.open(path, os.O_RDONLY))
+            except OSError as exc:
+                for fd in descriptors:
+                    os.close(fd)
+                raise MappedFileError(
+                    f"{type(self).__name__}: cannot open the buffer file {path!r}: {exc.strerror}"
+                ) from exc
+        self._files.replace(descriptors, [path for _, path in snapshot], borrowed=True)
+        return [tensor for tensor, _ in snapshot]
+
+    def make_writable(self) -> None:
+        """Copy a lazily loaded state into work files in ``folder`` (nothing to do otherwise);
+        raises :class:`MappedFileError` (the disk is full, read-only, ...) with nothing changed.
+        """
+        if not self._files.borrowed:
+            return
+        if self._spec is None:  # type: ignore[attr-defined]
+            self._files.replace([], [])
+            return
+        n, current = self._length, self._storage()  # type: ignore[attr-defined]
+        shapes = [(self._capacity, *t.shape[1:]) for t in current]  # type: ignore[attr-defined]
+        with torch.inference_mode(False):
+            new = self._new_storage(shapes, [t.dtype for t in current])
+            for stored, saved in zip(new, current):
+                stored[:n].copy_(saved[:n])
+        num_inputs = len(self._inputs)  # type: ignore[attr-defined]
+        self._inputs = new[:num_inputs]
+        self._targets = new[num_inputs]
+        self._metadata = dict(zip(self._metadata, new[num_inputs + 1 :]))  # type: ignore[has-type]
+
+    def update(self, inputs: Any, targets: torch.Tensor, metadata: Any = None) -> None:
+        self.make_writable()
+        super().update(inputs, targets, metadata)  # type: ignore[misc]
+
+    def set_metadata(
+        self, key: str, idx: torch.Tensor, values: torch.Tensor, *, distinct: bool = False
+    ) -> None:
+        self.make_writable()
+        super().set_metadata(key, idx, values, distinct=distinct)  # type: ignore[misc]
 
     def _work_path(self, i: int, suffix: str = "") -> pathlib.Path:
         return self.folder / f"{self.name}.work.{i}.bin{suffix}"
@@ -420,7 +480,8 @@ class _MappedStorage:
                 "buffer's state cannot be loaded into a mapped buffer)"
             )
         mapped = state["mapped"]
-        tensors = self._open_snapshot(mapped, state.get("length"))
+        snapshot = self._open_snapshot(mapped, state.get("length"))
+        tensors = [tensor for tensor, _ in snapshot]
         keys = mapped["metadata_keys"]
         structure = state.get("inputs_structure")
         num_inputs = len(tensors) - len(keys) - (0 if structure is None else 1)
@@ -428,11 +489,15 @@ class _MappedStorage:
         full["inputs"] = tensors[:num_inputs]
         full["targets"] = None if structure is None else tensors[num_inputs]
         full["metadata"] = dict(zip(keys, tensors[num_inputs + 1 :]))
-        super().load_state_dict(full)  # type: ignore[misc]
+        self._files.adopted = snapshot if self.lazy else None
+        try:
+            super().load_state_dict(full)  # type: ignore[misc]
+        finally:
+            self._files.adopted = None
         # never back: a later snapshot must not take the name of one that a checkpoint names
         self._generation = max(self._generation, mapped["generation"])
 
-    def _open_snapshot(self, mapped: Any, length: Any) -> list[torch.Tensor]:
+    def _open_snapshot(self, mapped: Any, length: Any) -> list[tuple[torch.Tensor, str]]:
         where = "state['mapped']"
         if not isinstance(mapped, Mapping) or set(mapped) != {
             "version", "generation", "length", "metadata_keys", "files",
@@ -450,7 +515,8 @@ class _MappedStorage:
             raise ValueError(f"{where}['files']: expected a list of file records, got {files!r}")
         return [self._open_file(f"{where}['files'][{i}]", r, length) for i, r in enumerate(files)]
 
-    def _open_file(self, where: str, record: Any, length: int) -> torch.Tensor:
+    def _open_file(self, where: str, record: Any, length: int) -> tuple[torch.Tensor, str]:
+        """The snapshot file of ``record`` as a private mapping, checked, and its path."""
         if not isinstance(record, Mapping) or set(record) != {"file", "shape", "dtype"}:
             raise ValueError(f"{where}: expected a dict with file, shape, dtype, got {record!r}")
         name, shape, dtype = record["file"], record["shape"], record["dtype"]
@@ -476,8 +542,8 @@ class _MappedStorage:
                 "the folder does not hold this checkpoint's buffer files"
             )
         if expected == 0:
-            return torch.empty(tuple(shape), dtype=_DTYPES[dtype])
-        return _map(path, tuple(shape), _DTYPES[dtype], shared=False)  # never written
+            return torch.empty(tuple(shape), dtype=_DTYPES[dtype]), str(path)
+        return _map(path, tuple(shape), _DTYPES[dtype], shared=False), str(path)  # never written
 
 
 @attrs.define(eq=False)
@@ -505,6 +571,9 @@ class MappedReservoirBuffer(_MappedStorage, ReservoirBuffer):
     unlinked: bool = attrs.field(
         default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
     )
+    lazy: bool = attrs.field(
+        default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
+    )
     _generation: int = attrs.field(init=False, default=0, repr=False)
     _files: _WorkFiles = attrs.field(init=False, factory=_WorkFiles, repr=False)
 
@@ -525,6 +594,9 @@ class MappedSlidingWindowBuffer(_MappedStorage, SlidingWindowBuffer):
     unlinked: bool = attrs.field(
         default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
     )
+    lazy: bool = attrs.field(
+        default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
+    )
     _generation: int = attrs.field(init=False, default=0, repr=False)
     _files: _WorkFiles = attrs.field(init=False, factory=_WorkFiles, repr=False)
 
@@ -543,6 +615,9 @@ class MappedGreedyClassBalancingBuffer(_MappedStorage, GreedyClassBalancingBuffe
         default="buffer", kw_only=True, validator=_check_name, on_setattr=attrs.setters.frozen
     )
     unlinked: bool = attrs.field(
+        default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
+    )
+    lazy: bool = attrs.field(
         default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
     )
     _generation: int = attrs.field(init=False, default=0, repr=False)
@@ -576,6 +651,9 @@ class MappedInfiniteBuffer(_MappedStorage, InfiniteBuffer):
         default="buffer", kw_only=True, validator=_check_name, on_setattr=attrs.setters.frozen
     )
     unlinked: bool = attrs.field(
+        default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
+    )
+    lazy: bool = attrs.field(
         default=False, kw_only=True, validator=validators.boolean, on_setattr=attrs.setters.frozen
     )
     _generation: int = attrs.field(init=False, default=0, repr=False)

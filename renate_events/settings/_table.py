@@ -234,6 +234,13 @@ _ALL = (
         maps_onto=(_UPDATER + "buffer_storage",),
     ),
     Setting(
+        "scratch_dir",
+        "with mapped storage: the folder of the buffer's working files, which have no name and "
+        "go when the process ends (default: the output state's parent, else the input's, "
+        "else the system's temporary folder; one that may be written)",
+        maps_onto=(_UPDATER + "buffer_folder",),
+    ),
+    Setting(
         "lock_timeout",
         "seconds to wait for another update of the same folder (default {default})",
         kind="float",
@@ -468,12 +475,12 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
         *("accept_config_change", "task_id", "model", "model_args", "search", "search_storage"),
-        *("search_study", "search_pruner", "buffer_storage", "lock_timeout"),
+        *("search_study", "search_pruner", "buffer_storage", "scratch_dir", "lock_timeout"),
         *(*_TRAINING, *_SELECTION),
     ),
     "evaluate": (
         *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
-        *("classifier", "accept_config_change"),
+        *("classifier", "accept_config_change", "scratch_dir"),
     ),
     "shift": (
         *("reference", "query", "detector", "level", "num_permutations", "max_samples", "seed"),

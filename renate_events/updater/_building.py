@@ -92,16 +92,26 @@ def make_buffer(
     seed: int,
 ) -> DataBuffer:
     """The buffer ``name`` in ``storage`` (a name of :data:`~renate_events.choices.
-    BUFFER_STORAGES`). A mapped buffer makes its working files in ``folder``, by default beside
-    the first of the state folders ``near`` (or its nearest existing ancestor), else in the
-    system's temporary folder."""
+    BUFFER_STORAGES`).
+
+    A mapped buffer makes its working files in ``folder``, by default beside the first of the
+    state folders ``near`` (the output, then the input: its nearest existing ancestor) that may
+    be written there, else in the system's temporary folder. Without an output folder (the
+    first of ``near``: an evaluation, or an update that writes nowhere) it loads a state lazily:
+    it reads the input's files in place and makes working files only before it trains, so that
+    a state on read-only or full storage can be read.
+    """
     if storage == "memory":
         return BUFFERS[name](max_size=memory_size, seed=seed)
     if folder is None:
         parents = [_existing_folder(os.path.dirname(folder_key(f))) for f in near if f is not None]
-        folder = parents[0] if parents else tempfile.gettempdir()
+        writable = [p for p in parents if os.access(p, os.W_OK | os.X_OK)]
+        folder = writable[0] if writable else tempfile.gettempdir()
+    lazy = not near or near[0] is None
     try:
-        return MAPPED_BUFFERS[name](max_size=memory_size, seed=seed, folder=folder, unlinked=True)
+        return MAPPED_BUFFERS[name](
+            max_size=memory_size, seed=seed, folder=folder, unlinked=True, lazy=lazy
+        )
     except ValueError as exc:
         raise ValueError(
             f"ModelUpdater.buffer_folder: {exc} (the mapped buffer's working files go there)"

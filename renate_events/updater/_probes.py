@@ -85,11 +85,19 @@ def pair_as_dataset(value: Any, name: str) -> Any:
 
 
 def check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> None:
-    """A mapped buffer without storage yet (a first update) makes its files only once training
-    has begun: refuse now a disk without room for ``max_size`` samples of ``signature`` (their
-    metadata, such as DER's logits, not counted: a lower bound)."""
+    """A mapped buffer loaded lazily makes its working files now (a full or read-only disk
+    refuses the update before training). One without storage yet (a first update) makes its
+    files only once training has begun: refuse now a disk without room for ``max_size``
+    samples of ``signature`` (their metadata, such as DER's logits, not counted: a lower
+    bound)."""
     buffer = getattr(learner, "buffer", None)
-    if not isinstance(buffer, MAPPED_TYPES) or buffer.capacity > 0 or not signature:
+    if not isinstance(buffer, MAPPED_TYPES):
+        return
+    try:
+        buffer.make_writable()
+    except ValueError as exc:  # MappedFileError: the disk of its working files
+        raise UpdateInputError(str(exc)) from exc
+    if buffer.capacity > 0 or not signature:
         return
     pairs = [signature["inputs"], signature["targets"]]
     if not all(isinstance(pair, list) and hasattr(torch, pair[1]) for pair in pairs):

@@ -141,9 +141,12 @@ class ModelUpdater:
             later update must make the same one.
         buffer_folder: Where a mapped buffer's working files are made while it is in use
             (default: the output state folder's parent, or its nearest existing ancestor, else
-            the input's, else the system's temporary folder); they have no name there, so
-            nothing is left when the process ends, killed or not. Best on the disk of the state
-            folders.
+            the input's, the first that may be written, else the system's temporary folder;
+            the command line's ``--scratch-dir``); they have no name there, so nothing is left
+            when the process ends, killed or not. Best on the disk of the state folders.
+            Without ``output_state_folder``, the input state is read in place and the working
+            files are made only before training, so that a state on read-only or full storage
+            can be evaluated.
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import signal
 
 import pytest
 import torch
 
+from renate_events import search
 from renate_events.search import (
     Choice,
     FloatRange,
@@ -18,6 +21,7 @@ from renate_events.search import (
     parse_space,
 )
 from renate_events.state_folder import read_manifest
+from tests.helpers import run_in_fresh_process
 
 optuna = pytest.importorskip("optuna")
 
@@ -227,3 +231,30 @@ def test_search_checks_the_metric_before_any_trial(files, capsys, extra, config_
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (files / "out").exists() and not (files / "search.db").exists()
+
+
+def _killed_search(files, storage):
+    """A search worker killed (SIGKILL) inside its first trial."""
+    from renate_events.updater import ModelUpdater
+
+    ModelUpdater.update = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    _search(files, files / "killed", 2, "--search-storage", storage, "--search-study", "day-0")
+
+
+def test_a_killed_workers_trial_is_marked_failed_in_the_study_and_the_csv(files):
+    storage = f"sqlite:///{files / 'search.db'}"
+    assert run_in_fresh_process(_killed_search, files, storage) == -signal.SIGKILL
+    study = optuna.load_study(study_name="day-0", storage=storage)
+    (killed,) = study.trials
+    assert killed.state == optuna.trial.TrialState.RUNNING
+    assert not (files / "killed").exists()
+    alive = study.ask()  # a trial of a worker that still runs (this process): left alone
+    alive.set_user_attr(search.WORKER, search.worker_id())
+    extra = ["--search-storage", storage, "--search-study", "day-0"]
+    assert _search(files, files / "a", 2, *extra) == 0
+    rows = _rows(files / "a")
+    assert [row["state"] for row in rows[:2]] == ["FAIL", "RUNNING"] and len(rows) == 4
+    assert {row["state"] for row in rows[2:]} <= {"COMPLETE", "PRUNED"}
+    states = [t.state for t in optuna.load_study(study_name="day-0", storage=storage).trials]
+    assert states[:2] == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING]
+    assert search.fail_dead_trials(optuna, study) == []  # nothing more to fail

@@ -19,6 +19,7 @@ from renate_events.memory import (
     SlidingWindowBuffer,
 )
 from renate_events.memory.mapped import (
+    MappedFileError,
     MappedGreedyClassBalancingBuffer,
     MappedInfiniteBuffer,
     MappedReservoirBuffer,
@@ -287,3 +288,63 @@ def test_a_mapped_buffer_is_not_copied_with_its_open_files(tmp_path):
     with pytest.raises(TypeError, match="cannot be copied"):
         copy.copy(buffer._files)
     assert len(buffer) == 2
+
+
+@pytest.mark.parametrize("kind", [MappedReservoirBuffer, MappedInfiniteBuffer])
+def test_a_lazy_load_reads_the_snapshot_in_place_and_copies_it_only_before_a_write(
+    tmp_path, monkeypatch, kind
+):
+    """A lazy buffer makes no file to load a state (a state on read-only or full storage can be
+    read); its first write makes the work files, or refuses with nothing changed."""
+    source, scratch = tmp_path / "state", tmp_path / "scratch"
+    source.mkdir()
+    scratch.mkdir()
+    sizes = {"max_size": 20} if kind is MappedReservoirBuffer else {"initial_capacity": 8}
+    writer = kind(**sizes, folder=source, seed=2)
+    for inputs, targets, metadata in _stream(5):
+        writer.update(inputs, targets, metadata)
+    with writer.snapshots_to(source):
+        state = writer.state_dict()
+    files = {p.name: _digest(p) for p in source.glob("buffer.g*")}
+    eager, lazy = (kind(**sizes, folder=scratch, seed=2, lazy=flag) for flag in (False, True))
+    made = []
+    real_open = os.open
+
+    def recorded(path, flags, *args):
+        if flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            made.append(str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", recorded)
+    for buffer in (eager, lazy):
+        with buffer.snapshots_from(source):
+            buffer.load_state_dict(state)
+    assert made and all(str(scratch) in path for path in made)  # the eager buffer's work files
+    made.clear()
+    with lazy.snapshots_from(source):  # loaded again: still nothing written
+        lazy.load_state_dict(state)
+    assert made == []
+    _same_sample(eager.sample(6), lazy.sample(6))
+    assert len(lazy) == len(eager) and lazy.num_seen == eager.num_seen
+    with lazy.snapshots_to(tmp_path):  # a snapshot of a borrowed state: the same files
+        again = lazy.state_dict()
+    assert {p.name: _digest(p) for p in tmp_path.glob("buffer.g*")} == {
+        name.replace("g1", "g2"): digest for name, digest in files.items()
+    }
+    assert again["mapped"]["length"] == state["mapped"]["length"]
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    inputs, targets, metadata = _stream(1, seed=9)[0]
+    with pytest.raises(MappedFileError, match="the disk is full"):
+        lazy.update(inputs, targets, metadata)
+    assert len(lazy) == len(eager) and lazy.num_seen == eager.num_seen
+    _same_sample(eager.sample(6), lazy.sample(6))
+    monkeypatch.undo()
+    for inputs, targets, metadata in _stream(3, seed=9):
+        eager.update(inputs, targets, metadata)
+        lazy.update(inputs, targets, metadata)
+        _same_sample(eager.sample(6), lazy.sample(6))
+    assert {p.name: _digest(p) for p in source.glob("buffer.g*")} == files  # never written
