@@ -101,6 +101,10 @@ def read_consistent(folder: str, timeout: float, read: Callable[[], _T]) -> _T:
     A writer creates the lock file before anything else. So without one, no writer has started
     here; and if none appeared by the end of an unlocked read, none disturbed it. Otherwise (and
     to repair a swap that a dead writer left half done) the read runs under the shared lock.
+
+    So ``read`` may run twice, and only the second run's result counts: it must change nothing
+    but what it returns, or start each run afresh (what a first run did is replaced, not added
+    to), so that a retried read gives what one read gives.
     """
     lock = lock_path(folder)
     if not os.path.exists(lock) and not interrupted_swap(folder):
