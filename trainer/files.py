@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import secrets
+import stat
 import time
 from types import TracebackType
 
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = [
     "FileLock",
+    "LockFileError",
     "fsync_file",
     "fsync_folder",
     "is_temporary_sibling",
@@ -107,12 +109,19 @@ def lock_path(target: str | os.PathLike[str]) -> str:
     return os.path.join(folder, f".{name}.lock")
 
 
+class LockFileError(OSError):
+    """Raised when something else than a plain file is at a lock file's path (a link, a folder):
+    it is never followed, created through or locked."""
+
+
 class FileLock:
     """An advisory lock on a file, shared or exclusive, between processes and threads.
 
     The lock file is created if missing (and kept: removing a lock file while another process
     waits on it would let two holders in). Every :class:`FileLock` opens its own descriptor, so
-    two of them conflict even inside one process.
+    two of them conflict even inside one process. A link at the path is never followed (a
+    dangling one would otherwise create its target, wherever that is), and only a plain file is
+    locked: anything else there is a :class:`LockFileError`.
 
     Args:
         path: The lock file.
@@ -122,6 +131,8 @@ class FileLock:
     Raises:
         TimeoutError: From :meth:`acquire`, when the lock is still held by another after
             ``timeout`` seconds.
+        LockFileError: From :meth:`acquire`, when a link, a folder or anything but a plain file
+            is at ``path``.
         OSError: When the lock file cannot be created or opened.
 
     Example:
@@ -175,14 +186,38 @@ class FileLock:
                 return
 
     def _open(self) -> int:
-        cloexec = getattr(os, "O_CLOEXEC", 0)
+        # Never through a link; never blocking on a FIFO that someone put there.
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | cloexec, 0o666)
-        except OSError as exc:
-            # A reader of a read-only folder can still lock an existing lock file.
-            if not self.shared or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            return os.open(self.path, os.O_RDONLY | cloexec)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | flags, 0o666)
+            except OSError as exc:
+                # A reader of a read-only folder can still lock an existing lock file.
+                if not self.shared or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                fd = os.open(self.path, os.O_RDONLY | flags)
+        except OSError:
+            try:
+                mode = os.lstat(self.path).st_mode
+            except OSError:
+                mode = stat.S_IFREG  # nothing there: the open's own error says more
+            if not stat.S_ISREG(mode):
+                raise self._not_a_file(mode) from None
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise self._not_a_file(mode)
+        return fd
+
+    def _not_a_file(self, mode: int) -> LockFileError:
+        kind = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder"}.get(
+            stat.S_IFMT(mode), "not a plain file"
+        )
+        return LockFileError(
+            f"the lock file {self.path} is {kind}; a lock file is a plain file, and a link there "
+            "is never followed: remove it, then try again"
+        )
 
     def release(self) -> None:
         """Give the lock back (closing the descriptor releases it)."""

@@ -27,8 +27,8 @@ from renate_events.state_folder.manifest import (
     read_manifest_bytes,
     read_verified,
 )
-from renate_events.state_folder.recovery import interrupted_swap, recover
-from trainer.files import FileLock, lock_path
+from renate_events.state_folder.recovery import leftovers, recover, retired_state
+from trainer.files import FileLock, LockFileError, lock_path
 
 __all__ = [
     "acquire",
@@ -49,10 +49,13 @@ def folder_key(folder: str | os.PathLike[str]) -> str:
 
 
 def acquire(folder: str, *, shared: bool, timeout: float) -> FileLock:
-    """Take ``folder``'s lock; a busy lock is a :class:`StateFolderBusyError`."""
+    """Take ``folder``'s lock; a busy lock is a :class:`StateFolderBusyError`, a link or a folder
+    at the lock file's path a :class:`StateFolderError`."""
     lock = FileLock(lock_path(folder), shared=shared, timeout=timeout)
     try:
         lock.acquire()
+    except LockFileError as exc:
+        raise StateFolderError(f"{folder} cannot be locked: {exc}") from None
     except TimeoutError as exc:
         raise StateFolderBusyError(
             f"{folder} is locked by another update ({exc}); try again when it has finished, or "
@@ -73,44 +76,83 @@ def _reader_lock(folder: str, timeout: float) -> FileLock | None:
 
 @contextmanager
 def _reading(folder: str, timeout: float) -> Iterator[None]:
-    """Hold ``folder``'s shared lock, first finishing a swap that a dead writer left half done.
+    """Hold ``folder``'s shared lock, first clearing up after a dead writer (:func:`_clear_up`).
 
     A live writer holds the exclusive lock from staging to the end of its swap, so a half-done
-    swap seen under the shared lock is a dead writer's, and it is repaired under the exclusive
-    lock (the reader waits for that like any writer).
+    swap or a work folder seen under the shared lock is a dead writer's.
     """
     lock = _reader_lock(folder, timeout)
     try:
-        if lock is not None and interrupted_swap(folder):
-            lock.release()
-            repair = acquire(folder, shared=False, timeout=timeout)
-            try:
-                recover(folder)
-            finally:
-                repair.release()
-            lock = acquire(folder, shared=True, timeout=timeout)
+        if retired_state(folder) is not None or leftovers(folder):
+            if lock is not None:
+                lock.release()
+            _clear_up(folder, timeout)
+            lock = _reader_lock(folder, timeout)
         yield
     finally:
         if lock is not None:
             lock.release()
 
 
+def _clear_up(folder: str, timeout: float) -> None:
+    """Finish a swap that a dead writer left half done and remove its work folders, under the
+    exclusive lock (waiting for it like any writer where the folder is missing; else only if it
+    is free now: a reader needs no clean-up, and the next one or a writer does it)."""
+    retired = retired_state(folder)
+    try:
+        repair = acquire(folder, shared=False, timeout=timeout if retired else 0.0)
+    except StateFolderBusyError:
+        if retired is not None:
+            raise
+        return
+    except OSError as exc:  # a read-only parent folder: no lock file can be made there
+        if retired is not None:
+            raise _cannot_move_back(folder, retired, exc) from None
+        return
+    try:
+        recover(folder)
+    except OSError as exc:  # only moving the old folder back raises
+        raise _cannot_move_back(folder, retired_state(folder) or retired or "", exc) from None
+    finally:
+        repair.release()
+
+
+def _cannot_move_back(folder: str, retired: str, exc: OSError) -> StateFolderError:
+    reason = exc.strerror or str(exc)
+    return StateFolderError(
+        f"{folder} is missing: an update killed during its swap left the previous state at "
+        f"{retired}, and this read cannot move it back ({reason}); move it back by hand "
+        f"(mv {retired} {folder}), or read it where its parent folder is writable"
+    )
+
+
 def read_consistent(folder: str, timeout: float, read: Callable[[], _T]) -> _T:
-    """``read()``, with no writer swapping ``folder`` meanwhile; readers create no lock file.
+    """``read()``, with no writer swapping ``folder`` meanwhile; readers create no lock file
+    (unless a dead writer's leftovers are to be removed).
 
     A writer creates the lock file before anything else. So without one, no writer has started
     here; and if none appeared by the end of an unlocked read, none disturbed it. Otherwise (and
-    to repair a swap that a dead writer left half done) the read runs under the shared lock.
+    to clear up after a dead writer) the read runs under the shared lock.
+
+    So ``read`` may run twice, and only the second run's result counts: it must change nothing
+    but what it returns, or start each run afresh (what a first run did is replaced, not added
+    to), so that a retried read gives what one read gives.
+
+    Raises:
+        StateFolderError: Something else than a plain file is at the lock file's path, or the
+            folder is missing and a dead writer's old folder cannot be moved back (the message
+            says why and what to do); whatever ``read`` raises.
+        StateFolderBusyError: A writer held the lock for ``timeout`` seconds.
     """
     lock = lock_path(folder)
-    if not os.path.exists(lock) and not interrupted_swap(folder):
+    if not os.path.lexists(lock) and retired_state(folder) is None and not leftovers(folder):
         try:
             result = read()
         except Exception:
-            if not os.path.exists(lock):
+            if not os.path.lexists(lock):
                 raise
         else:
-            if not os.path.exists(lock):
+            if not os.path.lexists(lock):
                 return result
     with _reading(folder, timeout):
         return read()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ def read_verified(folder: str) -> tuple[dict[str, Any], str]:
     The caller keeps writers away (see :func:`~renate_events.state_folder.read_manifest`).
     """
     path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # a link or a folder there: refused by read_manifest_bytes
         raise StateFolderError(
             f"{folder} is not a state folder (no {MANIFEST}); pass the output_state_folder of a "
             "previous update"
@@ -131,12 +132,31 @@ def read_verified(folder: str) -> tuple[dict[str, Any], str]:
 
 
 def read_manifest_bytes(path: str) -> bytes:
-    """The manifest file's bytes, refused beyond ``_MAX_MANIFEST_BYTES``."""
-    with open(path, "rb") as handle:
+    """The manifest file's bytes, refused beyond ``_MAX_MANIFEST_BYTES`` and refused where it is
+    a link (never followed: like every file of a state folder, it may not point elsewhere) or
+    not a plain file."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if os.path.islink(path):
+            raise _not_plain(path, "a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_plain(path, "not a plain file")
+    with os.fdopen(fd, "rb") as handle:
         raw = handle.read(_MAX_MANIFEST_BYTES + 1)
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise StateFolderError(f"{path} is larger than {_MAX_MANIFEST_BYTES >> 20} MiB")
     return raw
+
+
+def _not_plain(path: str, kind: str) -> StateFolderError:
+    return StateFolderError(
+        f"{path} is {kind}; the files of a state folder are plain files, never links: replace "
+        "it by a copy of the file it stands for"
+    )
 
 
 _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')

@@ -14,7 +14,7 @@ import shutil
 from renate_events.state_folder.manifest import MANIFEST
 from trainer.files import fsync_folder, is_temporary_sibling
 
-__all__ = ["interrupted_swap", "recover", "siblings"]
+__all__ = ["leftovers", "recover", "retired_state", "siblings"]
 
 
 def siblings(folder: str, tag: str) -> list[str]:
@@ -31,11 +31,18 @@ def siblings(folder: str, tag: str) -> list[str]:
     ]
 
 
-def interrupted_swap(folder: str) -> bool:
-    """Whether ``folder`` is missing while an old state folder of a swap waits beside it."""
-    return not os.path.lexists(folder) and any(
-        os.path.isfile(os.path.join(old, MANIFEST)) for old in siblings(folder, "old")
-    )
+def leftovers(folder: str) -> list[str]:
+    """The staging and old folders of writers beside ``folder``."""
+    return siblings(folder, "staging") + siblings(folder, "old")
+
+
+def retired_state(folder: str) -> str | None:
+    """The old state folder that a swap of ``folder`` left aside (the newest, if several), or
+    None when ``folder`` exists or there is none."""
+    if os.path.lexists(folder):
+        return None
+    retired = [old for old in siblings(folder, "old") if os.path.isfile(f"{old}/{MANIFEST}")]
+    return max(retired, key=lambda old: os.stat(old).st_mtime_ns, default=None)
 
 
 def recover(folder: str) -> None:
@@ -43,11 +50,12 @@ def recover(folder: str) -> None:
 
     Staging and :meth:`~renate_events.state_folder.StagedStateFolder.commit` run under the
     exclusive lock, so when the caller holds it, no live writer owns anything named
-    ``.<name>.staging.*`` or ``.<name>.old.*``.
+    ``.<name>.staging.*`` or ``.<name>.old.*``. A leftover that cannot be removed stays (the next
+    writer tries again); a folder that cannot be moved back raises the rename's ``OSError``.
     """
-    if interrupted_swap(folder):
-        retired = [old for old in siblings(folder, "old") if os.path.isfile(f"{old}/{MANIFEST}")]
-        os.rename(max(retired, key=lambda old: os.stat(old).st_mtime_ns), folder)
+    retired = retired_state(folder)
+    if retired is not None:
+        os.rename(retired, folder)
         fsync_folder(os.path.dirname(folder))
-    for leftover in siblings(folder, "staging") + siblings(folder, "old"):
+    for leftover in leftovers(folder):
         shutil.rmtree(leftover, ignore_errors=True)

@@ -386,30 +386,33 @@ class ModelUpdater:
             folder = folder_key(self.input_state_folder)
 
             def prepare(manifest: dict[str, Any]) -> None:  # before the checkpoint is loaded
+                # Runs again when a writer disturbed the read and it is retried under the lock:
+                # each run starts the validation memory afresh instead of subscribing a second.
                 self._check_compatible(manifest)
-                if manifest["validation_memory"]:
-                    self._subscribe_memory(learner)
+                self._keep_memory(learner, False)
+                self._keep_memory(learner, manifest["validation_memory"])
 
             try:
                 self._manifest, self._seen[folder] = load_state(
                     folder, learner, self.lock_timeout, prepare
                 )
             except BaseException:
-                if self._memory is not None:
-                    learner.trainer.unsubscribe(self._memory)
-                    self._memory = None
+                self._keep_memory(learner, False)
                 raise
-        if self.validation_memory and self._memory is None:
-            self._subscribe_memory(learner)
-        elif not self.validation_memory and self._memory is not None:
-            learner.trainer.unsubscribe(self._memory)  # dropped: the next state has none
-            self._memory = None
+        self._keep_memory(learner, self.validation_memory)  # dropped: the next state has none
         return learner
 
-    def _subscribe_memory(self, learner: BaseExperienceReplayLearner) -> None:
-        seed = self.learner_kwargs.get("seed", 0)
-        self._memory = ValidationMemory.of_size(self.validation_memory_size, seed)
-        learner.trainer.subscribe(self._memory, name=VALIDATION_MEMORY)
+    def _keep_memory(self, learner: BaseExperienceReplayLearner, wanted: bool) -> None:
+        """Subscribe a validation memory to ``learner`` if ``wanted`` and none is, unsubscribe
+        it if not ``wanted``; ``_memory`` is the subscribed one, or None."""
+        if wanted and self._memory is None:
+            seed = self.learner_kwargs.get("seed", 0)
+            memory = ValidationMemory.of_size(self.validation_memory_size, seed)
+            learner.trainer.subscribe(memory, name=VALIDATION_MEMORY)
+            self._memory = memory
+        elif not wanted and self._memory is not None:
+            learner.trainer.unsubscribe(self._memory)
+            self._memory = None
 
     def _make_learner(self) -> BaseExperienceReplayLearner:
         near = (self.output_state_folder, self.input_state_folder)
