@@ -76,6 +76,10 @@ class FailedUpdateUndo:
     With ``buffer_filling="end"`` a copy of the whole buffer is kept for the update instead.
     A preset that changes more before training (the update's data put into the buffer first)
     appends its own action to ``_undo`` in its ``on_train_start``.
+
+    Since ``fit`` runs in :meth:`all_or_nothing`, whose snapshot puts everything back after a
+    failure at any step, these finer actions only matter while the ``exception`` event is
+    dispatched (a listener of it sees the buffer already put back).
     """
 
     def _open_undo(self) -> None:
@@ -146,7 +150,8 @@ class FailedUpdateUndo:
             try:
                 self._roll_back_update(snapshot)
             except Exception as inner:  # the error being raised stays the one to report
-                exc.add_note(f"while putting the learner back as it was: {inner!r}")
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"while putting the learner back as it was: {inner!r}")
             raise
         finally:
             self._update_snapshot = None
