@@ -123,8 +123,9 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
        model's logits), then the components' ``on_train_batch_end`` run.
 
     Memory batches carry the stored logits under ``"logits"`` and Renate's ``"outputs"`` (the
-    same tensor). An update that fails before its first batch went through leaves no trace: the
-    buffer's sampling generator, the stored logits and the classes seen are put back.
+    same tensor). An update that fails or is interrupted, at any step, leaves no trace: the model,
+    buffer, components, listeners and trainer are put back as they were (see
+    :meth:`~renate_events.learners.FailedUpdateUndo.all_or_nothing`).
 
     Memory batches are tensor operations on the buffer's device; no DataLoader is built per step.
     A buffer on another device than the model is allowed (its batches are copied to the model's
@@ -294,6 +295,7 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
     _batch_checked: bool = attrs.field(init=False, default=False)
     # How to put back what an update changed before its first batch trained (None once it has).
     _undo: list[Callable[[], None]] | None = attrs.field(init=False, default=None)
+    _update_snapshot: Any = attrs.field(init=False, default=None)  # all_or_nothing's, if open
     _concatenate: bool = attrs.field(init=False, default=False)
     _fused: WeightedCustomLossComponent | None = attrs.field(init=False, default=None)
     _samples_on_storage: bool = attrs.field(init=False, default=False)
@@ -363,6 +365,10 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
         """
         if resume_from is None:  # a resumed update was checked when it started
             self.check_data(train_data)
+        with self.all_or_nothing():  # a failed fit leaves no trace (FailedUpdateUndo)
+            return self._fit(train_data, val_data, resume_from)
+
+    def _fit(self, train_data: Any, val_data: Any, resume_from: Any) -> FitResult:
         self._added_heads = self._add_task_heads(train_data)
         try:
             train_loader = self._loader(train_data, shuffle=True)
@@ -383,9 +389,6 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
                 scheduler_interval=self.learning_rate_scheduler_interval,
                 resume_from=resume_from,
             )
-        except BaseException:
-            self._remove_heads(self._added_heads)  # when the fit failed before train_start
-            raise
         finally:
             self._added_heads = []
             self._update_data, self._fill_undo = None, None

@@ -463,6 +463,21 @@ class _MappedStorage:
             temporary.unlink(missing_ok=True)
             raise _disk_error(exc, final, nbytes, type(self).__name__) from exc
 
+    def release_snapshot(self, state: Mapping[str, Any]) -> None:
+        """Let go of the snapshot files of :meth:`state_dict`'s ``state``, taken outside
+        :meth:`snapshots_to` and named by no checkpoint (an update's undo copy, no longer
+        needed): held files are closed, named ones deleted, and if no later snapshot was taken
+        the generation counter steps back, so that the next snapshot has the name it would have
+        had without this one."""
+        generation = state["mapped"]["generation"]
+        names = [record["file"] for record in state["mapped"]["files"]]
+        self._files.release([name for name in names if name in self._files.held])
+        if not self.unlinked:
+            for name in names:
+                (self.folder / name).unlink(missing_ok=True)
+        if self._generation == generation:
+            self._generation = generation - 1
+
     def _drop_old_snapshots(self, up_to: int) -> None:
         pattern = re.compile(rf"{re.escape(self.name)}\.g([0-9]+)\.[0-9]+\.bin")
         for path in self.folder.iterdir():

@@ -72,6 +72,7 @@ from renate_events.updater._records import (
     update_record,
     with_update,
 )
+from renate_events.updater._undo import all_or_nothing
 from trainer import FitResult
 from trainer import validators as checks
 
@@ -276,6 +277,7 @@ class ModelUpdater:
             self._learner = self._build()
         return self._learner
 
+    @all_or_nothing("_manifest", "_seen")  # a failed update leaves no trace
     def update(
         self,
         train_dataset: torch.utils.data.Dataset[Any],
@@ -291,7 +293,8 @@ class ModelUpdater:
         update reports, and the output folder against what may be written (see the class and
         module docstrings). With ``metric``, the model ends with its best validation's weights.
         ``write=False`` leaves the output folder to :meth:`write_output` (a search writes only
-        its best trial's).
+        its best trial's). An update that fails or is interrupted, at any point until its folder
+        is written, leaves the learner, model, buffer, optimizer and this updater as they were.
         """
         check_task_id(task_id)
         train_dataset = pair_as_dataset(train_dataset, "train_dataset")
