@@ -29,6 +29,7 @@ __all__ = [
     "model_signature",
     "optimizer_record",
     "update_record",
+    "updater_config",
     "with_update",
 ]
 
@@ -265,3 +266,15 @@ def _model_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> lis
                 f"{live[name][1]} {tuple(live[name][0])} in the model"
             )
     return differences
+
+
+def updater_config(updater: Any) -> dict[str, Any]:
+    """What a ``ModelUpdater`` records of its configuration in the manifest (and checks a later
+    update against): the learner, its arguments, the optimizer, the buffer, the model's shape."""
+    return {
+        "learner": updater.learner,
+        "learner_kwargs": updater.learner_kwargs,
+        "optimizer": optimizer_record(updater.optimizer),
+        "buffer": updater.buffer,
+        "model": model_signature(updater.model),
+    }

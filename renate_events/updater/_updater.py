@@ -67,9 +67,8 @@ from renate_events.updater._records import (
     architecture_of,
     configuration_differences,
     manifest_now,
-    model_signature,
-    optimizer_record,
     update_record,
+    updater_config,
     with_update,
 )
 from renate_events.updater._undo import all_or_nothing
@@ -452,19 +451,10 @@ class ModelUpdater:
             self._seen[output] = state_token(output, timeout=self.lock_timeout)
         return self._seen[output]
 
-    def _config(self) -> dict[str, Any]:
-        return {
-            "learner": self.learner,
-            "learner_kwargs": self.learner_kwargs,
-            "optimizer": optimizer_record(self.optimizer),
-            "buffer": self.buffer,
-            "model": model_signature(self.model),
-        }
-
     def _manifest_now(self) -> dict[str, Any]:
         return manifest_now(
             self._manifest,
-            self._config(),
+            updater_config(self),
             trainer=self.trainer_kwargs,
             metadata=self.metadata,
             architecture=self.architecture or architecture_of(self.model),
@@ -475,7 +465,7 @@ class ModelUpdater:
 
     def _check_compatible(self, manifest: Mapping[str, Any]) -> None:
         differences = configuration_differences(
-            manifest, self._config(), self.learner_kwargs, self.buffer_storage
+            manifest, updater_config(self), self.learner_kwargs, self.buffer_storage
         )
         if differences:
             raise StateFolderError(
