@@ -30,6 +30,7 @@ __all__ = [
     "check_buffer_room",
     "check_metric",
     "dataset_tensors",
+    "make_buffer_writable",
     "pair_as_dataset",
     "sample_signature",
 ]
@@ -84,6 +85,18 @@ def pair_as_dataset(value: Any, name: str) -> Any:
     return TensorDataset(*value)
 
 
+def make_buffer_writable(learner: BaseExperienceReplayLearner) -> None:
+    """A mapped buffer loaded lazily makes its working files now, with nothing changed if the
+    disk refuses them (:class:`UpdateInputError`); other buffers have nothing to do."""
+    buffer = getattr(learner, "buffer", None)
+    if not isinstance(buffer, MAPPED_TYPES):
+        return
+    try:
+        buffer.make_writable()
+    except ValueError as exc:  # MappedFileError: the disk of its working files
+        raise UpdateInputError(str(exc)) from exc
+
+
 def check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> None:
     """A mapped buffer loaded lazily makes its working files now (a full or read-only disk
     refuses the update before training). One without storage yet (a first update) makes its
@@ -93,10 +106,7 @@ def check_buffer_room(learner: BaseExperienceReplayLearner, signature: Any) -> N
     buffer = getattr(learner, "buffer", None)
     if not isinstance(buffer, MAPPED_TYPES):
         return
-    try:
-        buffer.make_writable()
-    except ValueError as exc:  # MappedFileError: the disk of its working files
-        raise UpdateInputError(str(exc)) from exc
+    make_buffer_writable(learner)
     if buffer.capacity > 0 or not signature:
         return
     pairs = [signature["inputs"], signature["targets"]]

@@ -9,6 +9,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from renate_events.updater._probes import make_buffer_writable
+
 __all__ = ["all_or_nothing"]
 
 Update = TypeVar("Update", bound=Callable[..., Any])
@@ -24,6 +26,9 @@ def all_or_nothing(*kept: str) -> Callable[[Update], Update]:
         @functools.wraps(update)
         def undone_on_failure(updater: Any, *args: Any, **kwargs: Any) -> Any:
             learner = updater.learner_instance
+            # A lazily read mapped buffer gets its working files before the snapshot, which
+            # would otherwise copy them first (a full disk is then the update's clear refusal).
+            make_buffer_writable(learner)
             before = {name: _copy(getattr(updater, name)) for name in kept}
             with learner.all_or_nothing():
                 try:
