@@ -82,18 +82,24 @@ def load_buffer(learner: Any, state: Any, limits: LoadLimits) -> None:
     if not isinstance(buffer, DataBuffer):
         buffer.load_state_dict(state)
         return
-    buffer.load_state_dict(
-        state, expect=buffer_expectation(learner.model, learner.buffer_transform, limits)
-    )
+    # stored targets reach the loss through buffer_target_transform: the raw ones may be any
+    labels = learner.buffer_target_transform is None
+    expect = buffer_expectation(learner.model, learner.buffer_transform, limits, labels=labels)
+    buffer.load_state_dict(state, expect=expect)
 
 
 def buffer_expectation(
-    model: torch.nn.Module, transform: Callable[[Any], Any] | None, limits: LoadLimits
+    model: torch.nn.Module,
+    transform: Callable[[Any], Any] | None,
+    limits: LoadLimits,
+    *,
+    labels: bool = True,
 ) -> Callable[[ParsedState], None]:
     """The check a buffer runs on its parsed state before committing it: the recorded sample
     shape and count first, then the model's number of outputs, found by one forward pass (in
     eval mode, without gradients, torch's RNG kept) on one stored sample through ``transform``
-    (the learner's buffer transform)."""
+    (the learner's buffer transform): integer targets (if ``labels``) within them, stored logits
+    as wide."""
 
     def expect(parsed: ParsedState) -> None:
         check_stored(
@@ -106,7 +112,8 @@ def buffer_expectation(
             return
         classes = _outputs(model, transform, parsed)
         # buffer_metadata stores logits in float32 whatever the precision
-        check_stored(parsed, classes=classes, rows={"logits": (classes, torch.float32)})
+        rows = {"logits": (classes, torch.float32)}
+        check_stored(parsed, classes=classes if labels else None, rows=rows)
 
     return expect
 
