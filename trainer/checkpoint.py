@@ -401,7 +401,7 @@ def _remove_stale_temporaries(path: str) -> None:
                 os.unlink(os.path.join(folder, entry))
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_checkpoint(path: str | os.PathLike[str], *, tensors_only: bool = False) -> dict[str, Any]:
     """Read a checkpoint written by :func:`write_checkpoint`.
 
     Tensors come back on the CPU. Nothing in the file is executed. The file's layout is checked
@@ -410,6 +410,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Args:
         path: The checkpoint file.
+        tensors_only: Read any safetensors file (a model's weights, no tree): its tensors by name,
+            its layout checked as a checkpoint's.
 
     Returns:
         The tree that was written (tuples come back as lists).
@@ -431,6 +433,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {path}")
     layout = _read_layout(path)
+    if tensors_only:
+        return _load_tensors(path, layout)
     metadata = _check_metadata(path, layout.metadata)
     skeleton = _parse_json(path, metadata["tree"], "its metadata entry 'tree'")
     if not isinstance(skeleton, dict):

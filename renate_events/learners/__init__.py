@@ -23,6 +23,7 @@ from renate_events.learners.base import BaseExperienceReplayLearner
 from renate_events.learners.batches import buffer_loader, refuse_task_data, unpack, unpack_task
 from renate_events.learners.checks import DataChecks, check_task_ids
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling, buffer_metadata
+from renate_events.learners.loaded import LoadLimits, loading_limits
 from renate_events.learners.seeding import derived_seed, reset_parameters, rng_kept
 from renate_events.learners.step import ReplayOnlyForMemoryLosses, ReplayStep
 from renate_events.learners.undo import FailedUpdateUndo, buffer_copy
@@ -33,6 +34,7 @@ __all__ = [
     "BufferFilling",
     "DataChecks",
     "FailedUpdateUndo",
+    "LoadLimits",
     "ReplayOnlyForMemoryLosses",
     "ReplayStep",
     "buffer_copy",
@@ -40,6 +42,7 @@ __all__ = [
     "buffer_metadata",
     "check_task_ids",
     "derived_seed",
+    "loading_limits",
     "refuse_task_data",
     "reset_parameters",
     "rng_kept",

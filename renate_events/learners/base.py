@@ -30,6 +30,7 @@ from renate_events.components import (
 )
 from renate_events.learners.checks import DataChecks, check_task_ids
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling
+from renate_events.learners.loaded import LoadLimits, check_restored_tensors, load_buffer
 from renate_events.learners.seeding import derived_seed
 from renate_events.learners.step import ReplayStep
 from renate_events.learners.undo import FailedUpdateUndo
@@ -308,6 +309,8 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
     _filled: bool = attrs.field(init=False, default=False)
     _failed: bool = attrs.field(init=False, default=False)
     _fill_undo: dict[str, Any] | None = attrs.field(init=False, default=None)
+    # What loaded contents may hold beyond the checkpoint's rules (loaded.loading_limits).
+    load_limits: LoadLimits = attrs.field(init=False, factory=LoadLimits)
     # Whether the learner fills its buffer its own way (the update's data before training, or
     # herding at the end): buffer_filling must then stay "step" (no per-step or end fill).
     _fills_own_buffer: ClassVar[bool] = False
@@ -494,13 +497,14 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
                 f"{type(self).__name__}: checkpoint key 'buffer_filled' must be true or false, "
                 f"got {filled!r}"
             )
+        check_restored_tensors(self.model, self.trainer.optimizer)  # restored before this
         if self.buffer is not None:
             if "buffer" not in checkpoint:
                 raise ValueError(
                     "the checkpoint has no buffer for this learner; it was written by a learner "
                     "without memory (memory_size=0)"
                 )
-            self.buffer.load_state_dict(checkpoint["buffer"])
+            load_buffer(self, checkpoint["buffer"], self.load_limits)
         seen = checkpoint.get("seen_classes")
         self._seen_classes = None if seen is None else seen.clone()
         self._filled = filled

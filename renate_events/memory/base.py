@@ -35,6 +35,7 @@ from renate_events.memory.draws import (
 )
 from renate_events.memory.state import (
     STATE_FORMAT_VERSION,
+    Expect,
     check_generator_state,
     parse_state,
 )
@@ -414,10 +415,11 @@ class DataBuffer(abc.ABC):
             "extra": self._extra_state(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, expect: Expect | None = None) -> None:
         """Restore what :meth:`state_dict` returned, into fresh storage on this buffer's device.
 
-        The whole state is validated before anything changes: on error the buffer is untouched.
+        The whole state is validated (and given to ``expect``) before anything changes: on
+        error the buffer is untouched.
 
         Raises:
             ValueError: When ``state`` is malformed, was written by another kind of buffer or one
@@ -426,7 +428,7 @@ class DataBuffer(abc.ABC):
         """
         parsed = parse_state(
             state, type(self).__name__, self._config(), self._bound(), self._check_first_targets,
-            self._parse_extra_state,
+            self._parse_extra_state, expect,
         )  # fmt: skip
         object.__setattr__(self, "seed", parsed.seed)
         self._generator.set_state(parsed.generator_state)

@@ -62,6 +62,7 @@ from renate_events.memory.buffers import (
     ReservoirBuffer,
     SlidingWindowBuffer,
 )
+from renate_events.memory.state import Expect
 from trainer import validators
 from trainer.files import fsync_folder
 
@@ -485,10 +486,10 @@ class _MappedStorage:
             if match and int(match.group(1)) <= up_to:
                 path.unlink(missing_ok=True)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, expect: Expect | None = None) -> None:
         """Restore :meth:`state_dict`'s state: its snapshot files are checked (names inside the
-        folder, sizes, dtypes, shapes against the state's length) before anything changes, then
-        copied into fresh work files."""
+        folder, sizes, dtypes, shapes against the state's length, ``expect``) before anything
+        changes, then copied into fresh work files."""
         if not isinstance(state, Mapping) or "mapped" not in state:
             raise ValueError(
                 f"state['mapped']: missing; not a {type(self).__name__} state (an in-memory "
@@ -506,7 +507,7 @@ class _MappedStorage:
         full["metadata"] = dict(zip(keys, tensors[num_inputs + 1 :]))
         self._files.adopted = snapshot if self.lazy else None
         try:
-            super().load_state_dict(full)  # type: ignore[misc]
+            super().load_state_dict(full, expect=expect)  # type: ignore[misc]
         finally:
             self._files.adopted = None
         # never back: a later snapshot must not take the name of one that a checkpoint names

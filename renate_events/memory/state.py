@@ -21,10 +21,16 @@ from trainer import validators
 __all__ = [
     "STATE_FORMAT_VERSION",
     "STATE_KEYS",
+    "Expect",
     "ParsedState",
     "check_generator_state",
+    "check_stored",
     "parse_state",
 ]
+
+MAX_NUM_SEEN = 2**62
+"""Above this a count of samples seen is no count (and near int64's end, where sampling
+arithmetic overflows): refused on load."""
 
 STATE_FORMAT_VERSION = 1
 """Version of the layout written by :meth:`DataBuffer.state_dict`."""
@@ -60,6 +66,11 @@ class ParsedState:
     targets: torch.Tensor | None
     metadata: dict[str, torch.Tensor]
     extra: Any
+
+
+Expect = Callable[[ParsedState], None]
+"""A check of a parsed state against the buffer's owner (:func:`check_stored`), run by
+:func:`parse_state` last, before anything is committed."""
 
 
 def check_generator_state(value: Any, where: str) -> torch.Tensor:
@@ -99,6 +110,7 @@ def parse_state(
     bound: int | None,
     check_targets: Callable[[torch.Tensor, str], None],
     parse_extra: Callable[[Any, torch.Tensor | None, int], Any],
+    expect: Expect | None = None,
 ) -> ParsedState:
     """Check a state dict read back for a buffer, and parse it.
 
@@ -109,6 +121,7 @@ def parse_state(
         bound: That buffer's ``max_size`` (``None``: unbounded).
         check_targets: The buffer's extra checks of its targets (``(targets, where)``).
         parse_extra: The buffer's parser of ``state['extra']`` (``(extra, targets, length)``).
+        expect: The owner's check of the parsed state (:func:`check_stored`), or None.
 
     Raises:
         ValueError: When ``state`` is malformed, was written by another kind of buffer or one
@@ -124,10 +137,13 @@ def parse_state(
     )
     spec, inputs, targets, metadata = _parse_storage(state, length, check_targets)
     extra = parse_extra(state["extra"], targets, length)
-    return ParsedState(
+    parsed = ParsedState(
         seed, num_seen, length, generator_state, sample_generator_state, spec, inputs,
         targets, metadata, extra,
     )  # fmt: skip
+    if expect is not None:
+        expect(parsed)
+    return parsed
 
 
 def _check_state_header(state: Any, buffer_type: str) -> None:
@@ -172,8 +188,10 @@ def _parse_config(config: Any, own_config: dict[str, Any]) -> int:
 
 def _parse_counts(num_seen: Any, length: Any, bound: int | None) -> tuple[int, int]:
     for key, value in (("num_seen", num_seen), ("length", length)):
-        if not validators.is_int(value) or value < 0:
-            raise ValueError(f"state[{key!r}]: expected an int >= 0, got {value!r}")
+        if not validators.is_int(value) or not 0 <= value <= MAX_NUM_SEEN:
+            raise ValueError(
+                f"state[{key!r}]: expected an int in [0, {MAX_NUM_SEEN}], got {value!r}"
+            )
     expected_length = num_seen if bound is None else min(bound, num_seen)
     if length != expected_length:
         raise ValueError(
@@ -221,4 +239,85 @@ def _parse_storage(
         if not isinstance(key, str) or key == "idx":
             raise ValueError(f"state['metadata']: invalid key {key!r}")
         parsed_meta[key] = _check_state_tensor(value, f"state['metadata'][{key!r}]", length)
+    for i, (tensor, name) in enumerate(zip(inputs, names)):
+        _check_finite(tensor, f"state['inputs'][{i}] ({name})")
+    _check_finite(targets, "state['targets']")
+    for key, tensor in parsed_meta.items():
+        _check_finite(tensor, f"state['metadata'][{key!r}]")
     return spec, inputs, targets, parsed_meta
+
+
+def _check_finite(tensor: torch.Tensor, where: str) -> None:
+    """No NaN or infinity in a stored float tensor (one reduction per tensor per load): a
+    buffer holding one would make every later update's loss NaN."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{where}: holds NaN or infinite values")
+
+
+def check_stored(
+    parsed: ParsedState,
+    *,
+    signature: Any = None,
+    source: str = "the recorded sample signature",
+    classes: int | None = None,
+    rows: Mapping[str, tuple[int, torch.dtype]] | None = None,
+    max_seen: int | None = None,
+) -> None:
+    """Check a parsed state against what its owner expects, before it is committed.
+
+    Args:
+        parsed: What :func:`parse_state` returned.
+        signature: ``{"inputs": [shape, dtype], ...}`` of one sample (the manifest's record of
+            the updates' data), or None; the stored inputs (one tensor) must have it.
+        source: Where ``signature`` comes from, for the message.
+        classes: The model's number of outputs, or None; integer class targets must lie in
+            ``[0, classes)``.
+        rows: Per metadata key, the width and dtype of its rows (a model's logits), for the
+            keys the state holds.
+        max_seen: The most samples the buffer can have seen, or None.
+
+    Raises:
+        ValueError: Naming the key of the first content that does not fit.
+    """
+    if max_seen is not None and parsed.num_seen > max_seen:
+        raise ValueError(
+            f"state['num_seen']: {parsed.num_seen} samples seen, more than the {max_seen} the "
+            "updates so far trained on"
+        )
+    _check_signature(parsed, signature, source)
+    targets = parsed.targets
+    if classes is not None and targets is not None and _are_labels(targets) and len(targets):
+        low, high = int(targets.min()), int(targets.max())  # one reduction each per load
+        if low < 0 or high >= classes:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"state['targets']: holds the class {bad}, outside the model's {classes} "
+                f"outputs [0, {classes})"
+            )
+    for key, (width, dtype) in (rows or {}).items():
+        tensor = parsed.metadata.get(key)
+        if tensor is not None and (
+            tensor.dim() != 2 or tensor.shape[1] != width or tensor.dtype != dtype
+        ):
+            raise ValueError(
+                f"state['metadata'][{key!r}]: rows of {tensor.dtype} {list(tensor.shape[1:])}, "
+                f"expected {dtype} [{width}] (the model's outputs)"
+            )
+
+
+def _are_labels(targets: torch.Tensor) -> bool:
+    return targets.dim() == 1 and not targets.is_floating_point() and targets.dtype != torch.bool
+
+
+def _check_signature(parsed: ParsedState, signature: Any, source: str) -> None:
+    expected = None if not isinstance(signature, Mapping) else signature.get("inputs")
+    if not isinstance(expected, list) or len(parsed.inputs) != 1:
+        return  # inputs that are not one tensor: their structure was checked by parse_state
+    shape_, dtype = expected
+    tensor = parsed.inputs[0]
+    stored = [list(tensor.shape[1:]), str(tensor.dtype).replace("torch.", "")]
+    if stored != [list(shape_), dtype]:
+        raise ValueError(
+            f"state['inputs'][0]: samples of {stored[1]} {tuple(stored[0])}, but {source} "
+            f"says the updates trained on samples of {dtype} {tuple(shape_)}"
+        )

@@ -14,9 +14,10 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import safetensors.torch
+import torch
 
 from renate_events.choices import MAPPED_TYPES
-from renate_events.learners import BaseExperienceReplayLearner
+from renate_events.learners import BaseExperienceReplayLearner, LoadLimits, loading_limits
 from renate_events.memory.mapped import MappedFileError
 from renate_events.state_folder.errors import StateFolderError
 from renate_events.state_folder.locks import read_consistent
@@ -33,10 +34,12 @@ from renate_events.state_folder.manifest import (
     upgraded,
 )
 from trainer import CheckpointError
+from trainer import validators as checks
+from trainer.checkpoint import read_checkpoint
 from trainer.exceptions import ListenerError
 from trainer.files import fsync_folder, sha256_of_file
 
-__all__ = ["load_state", "mapped_files", "write_contents"]
+__all__ = ["check_model_file", "load_limits", "load_state", "mapped_files", "write_contents"]
 
 
 def load_state(
@@ -59,11 +62,59 @@ def load_state(
         manifest, token = read_verified(folder)
         manifest = upgraded(manifest)
         prepare(manifest)
-        with mapped_files(learner, "snapshots_from", folder):
+        check_model_file(folder, manifest, learner.model)
+        limits = load_limits(os.path.join(folder, MANIFEST), manifest)
+        with mapped_files(learner, "snapshots_from", folder), loading_limits(learner, limits):
             learner.load_checkpoint(os.path.join(folder, CHECKPOINT))
         return manifest, token
 
     return read_consistent(folder, timeout, load)
+
+
+def check_model_file(folder: str, manifest: Mapping[str, Any], model: torch.nn.Module) -> None:
+    """``model.safetensors`` (whose checksum :func:`read_verified` checked) parsed by the
+    untrusted reader, each tensor of the model's name, shape and dtype, and finite: what a
+    deployment loads with ``load_file`` must be the model, not bytes that only hash right."""
+    if MODEL not in manifest["files"]:
+        return  # a version-1 folder has none
+    path = os.path.join(folder, MODEL)
+    try:
+        tensors = read_checkpoint(path, tensors_only=True)
+    except CheckpointError as exc:  # its message names the file
+        raise StateFolderError(str(exc)) from None
+    expected = model.state_dict()
+    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise StateFolderError(
+            f"{path}: the model's tensors {missing} are missing, unknown tensors {unknown}"
+        )
+    for name, tensor in tensors.items():
+        own = expected[name]
+        if tensor.shape != own.shape or tensor.dtype != own.dtype:
+            raise StateFolderError(
+                f"{path}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the model's is "
+                f"{own.dtype} {list(own.shape)}"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise StateFolderError(f"{path}: tensor {name!r} holds NaN or infinite values")
+
+
+def load_limits(path: str, manifest: Mapping[str, Any]) -> LoadLimits:
+    """What the manifest at ``path`` says the checkpoint's buffer may hold: the last recorded
+    sample signature, and at most ``samples * epochs`` samples seen per update (each sample is
+    offered to the buffer at most once an epoch); no bound when a record lacks its count (a
+    folder written before counts were recorded)."""
+    history = manifest["history"]
+    counts = [(r.get("samples"), r.get("epochs")) for r in history]
+    seen = None
+    if all(checks.is_int(n) and checks.is_int(e) for n, e in counts):
+        seen = sum(n * max(e, 1) for n, e in counts)
+    signed = [(i, r["data"]) for i, r in enumerate(history) if r.get("data")]
+    if not signed:
+        return LoadLimits(samples_seen=seen)
+    index, signature = signed[-1]
+    source = f"{path}'s key 'history[{index}].data'"
+    return LoadLimits(samples_seen=seen, signature=signature, source=source)
 
 
 def write_contents(

@@ -90,6 +90,7 @@ _HISTORY_KEYS = frozenset(
         "functions",
         "functions_sha256",
         "data",
+        "samples",
         "best",
         "config_sha256",
     ]
@@ -320,17 +321,72 @@ def _check_history(key: str, manifest: dict[str, Any]) -> None:
                 f"{where} must hold the task id of update {index} and only the keys "
                 f"{sorted(_HISTORY_KEYS)} (unknown: {unknown})"
             )
-        for name in ("steps", "epochs"):
-            if name in record:
-                checks.check_int(f"{where}.{name}", record[name], 0)
-        metrics = record.get("metrics", {})
-        _check_dict(f"{where}.metrics", metrics)
-        for name, value in metrics.items():
-            if not checks.is_real(value):
-                raise checks.WrongTypeError(f"{where}.metrics.{name} must be a number")
-        data = record.get("data")
-        if data is not None:
-            _check_dict(f"{where}.data", data)
+        _check_record(where, record)
+
+
+def _check_record(where: str, record: dict[str, Any]) -> None:
+    """Every key of one history record, of the type :func:`update_record` writes it."""
+    for name in ("steps", "epochs"):
+        if name in record:
+            checks.check_int(f"{where}.{name}", record[name], 0)
+    if record.get("samples") is not None:  # null: data without len()
+        checks.check_int(f"{where}.samples", record["samples"], 0)
+    if not isinstance(record.get("stopped_early", False), bool):
+        raise checks.WrongTypeError(f"{where}.stopped_early must be true or false")
+    seconds = record.get("seconds", 0.0)
+    if not (checks.is_real(seconds) and seconds >= 0):
+        raise checks.WrongTypeError(f"{where}.seconds must be a number >= 0, got {seconds!r}")
+    for name in ("metrics", "learner_kwargs", "optimizer", "functions", "functions_sha256"):
+        _check_dict(f"{where}.{name}", record.get(name, {}))
+    for name, value in record.get("metrics", {}).items():
+        if not checks.is_real(value):
+            raise checks.WrongTypeError(f"{where}.metrics.{name} must be a number")
+    for name, value in record.get("functions_sha256", {}).items():
+        if not isinstance(value, str):
+            raise checks.WrongTypeError(f"{where}.functions_sha256.{name} must be a string")
+    sha = record.get("config_sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise ValueError(f"{where}.config_sha256 must be null or a SHA-256 in hex, got {sha!r}")
+    _check_best(f"{where}.best", record.get("best"))
+    _check_signature(f"{where}.data", record.get("data"))
+
+
+def _check_best(where: str, best: Any) -> None:
+    if best is None:
+        return
+    if not isinstance(best, dict) or set(best) != {"metric", "mode", "value", "epoch"}:
+        raise checks.WrongTypeError(
+            f"{where} must be null or an object of metric, mode, value, epoch, got {best!r}"
+        )
+    if not (isinstance(best["metric"], str) and best["metric"]):
+        raise checks.WrongTypeError(f"{where}.metric must be a non-empty string")
+    checks.check_one_of(f"{where}.mode", best["mode"], ["min", "max"])
+    if not checks.is_real(best["value"]):
+        raise checks.WrongTypeError(f"{where}.value must be a number, got {best['value']!r}")
+    if best["epoch"] is not None:
+        checks.check_int(f"{where}.epoch", best["epoch"], 0)
+
+
+def _check_signature(where: str, data: Any) -> None:
+    """An update's sample signature: null, or ``{"inputs": part, "targets": part}`` with each
+    part ``[shape, dtype]`` (a tensor's) or a type's name."""
+    if data is None:
+        return
+    if not isinstance(data, dict) or set(data) != {"inputs", "targets"}:
+        raise checks.WrongTypeError(
+            f"{where} must be null or an object of inputs and targets, got {data!r}"
+        )
+    for name, part in data.items():
+        if isinstance(part, str):
+            continue
+        if not (isinstance(part, list) and len(part) == 2 and isinstance(part[0], list)):
+            raise checks.WrongTypeError(
+                f"{where}.{name} must be [shape, dtype] or a type's name, got {part!r}"
+            )
+        for size in part[0]:
+            checks.check_int(f"{where}.{name} shape", size, 0)
+        if not isinstance(getattr(torch, str(part[1]), None), torch.dtype):
+            raise ValueError(f"{where}.{name} names no torch dtype: {part[1]!r}")
 
 
 def _check_config(key: str, manifest: dict[str, Any]) -> None:

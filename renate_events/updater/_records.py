@@ -129,6 +129,7 @@ def update_record(
     *,
     signature: dict[str, Any] | None,
     best: BestWeights | None,
+    samples: int | None = None,
     functions: UpdateFunctions,
     learner_kwargs: Mapping[str, Any],
     config_sha256: str | None,
@@ -151,11 +152,21 @@ def update_record(
         "functions": functions.names(),
         "functions_sha256": functions.sha256s(),
         "data": signature,
+        "samples": samples,
         "best": None
         if best is None or best.best is None
         else {"metric": best.metric, "mode": best.mode, "value": best.best, "epoch": best.epoch},
         "config_sha256": config_sha256,
     }
+
+
+def dataset_size(data: Any) -> int | None:
+    """The number of samples of an update's data (None for data without ``len``): the manifest
+    records it, so that a buffer read back cannot claim to have seen more."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 def with_update(manifest: dict[str, Any], task_id: Any, record: dict[str, Any]) -> dict[str, Any]:
