@@ -498,13 +498,7 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
                 f"got {filled!r}"
             )
         check_restored_tensors(self.model, self.trainer.optimizer)  # restored before this
-        if self.buffer is not None:
-            if "buffer" not in checkpoint:
-                raise ValueError(
-                    "the checkpoint has no buffer for this learner; it was written by a learner "
-                    "without memory (memory_size=0)"
-                )
-            load_buffer(self, checkpoint["buffer"], self.load_limits)
+        load_buffer(self, checkpoint, self.load_limits)
         seen = checkpoint.get("seen_classes")
         self._seen_classes = None if seen is None else seen.clone()
         self._filled = filled

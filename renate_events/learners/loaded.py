@@ -75,10 +75,19 @@ def _check_finite(tensor: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where} holds NaN or infinite values")
 
 
-def load_buffer(learner: Any, state: Any, limits: LoadLimits) -> None:
-    """Load ``state`` into the learner's buffer, checked against the learner's model and
-    ``limits`` before it is committed (a buffer of this library's; any other as it loads)."""
+def load_buffer(learner: Any, checkpoint: Any, limits: LoadLimits) -> None:
+    """Load the learner's checkpoint section ``buffer`` into its buffer (if it has one), checked
+    against the learner's model and ``limits`` before it is committed (a buffer of this
+    library's; any other as it loads)."""
     buffer = learner.buffer
+    if buffer is None:
+        return
+    if "buffer" not in checkpoint:
+        raise ValueError(
+            "the checkpoint has no buffer for this learner; it was written by a learner "
+            "without memory (memory_size=0)"
+        )
+    state = checkpoint["buffer"]
     if not isinstance(buffer, DataBuffer):
         buffer.load_state_dict(state)
         return
