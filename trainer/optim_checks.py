@@ -77,11 +77,14 @@ class Value:
 
 
 def _real(value: Any) -> float | None:
-    """A real number or a one-element tensor as a float; None for anything else."""
+    """A real number or a one-element tensor as a float; None for anything else, and for an int
+    beyond +-2**53 (which torch cannot take as a scalar once it passes 64 bits)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_complex:
             return None
         return float(value.detach().reshape(()).item())
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_COUNT:
+        return None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
@@ -162,6 +165,8 @@ class OptimizerRule:
         scalars: Per-parameter state of one element (``step``): finite, in [0, 2**53].
         factored: Per-parameter state of the parameter's rank, each dimension equal or 1
             (Adafactor's ``row_var``).
+        nullable: Per-parameter state that may be null (SGD's ``momentum_buffer`` without
+            momentum).
         checks: Further rules across values of one group; each returns a problem or None.
     """
 
@@ -169,6 +174,7 @@ class OptimizerRule:
     shaped: frozenset[str] = attrs.field(default=(), converter=_names)
     scalars: frozenset[str] = attrs.field(default=("step",), converter=_names)
     factored: frozenset[str] = attrs.field(default=(), converter=_names)
+    nullable: frozenset[str] = attrs.field(default=(), converter=_names)
     checks: tuple[GroupCheck, ...] = ()
 
 
@@ -185,7 +191,8 @@ def rule_of(registry: Mapping[type, _K], cls: type) -> _K | None:
 
 # Steps and the other one-element state (NAdam's mu_product, ASGD's eta and mu) are >= 0.
 _SCALAR_STATE = number(0.0, MAX_COUNT)
-_BETAS = _each(unit_interval(high_open=True), 2)
+_BETA = unit_interval(high_open=True)
+_BETAS = _each(_BETA, 2)
 _NON_NEGATIVE = number()
 _ADAM = {"betas": _BETAS, "eps": _NON_NEGATIVE, "weight_decay": _NON_NEGATIVE}
 
@@ -210,6 +217,7 @@ OPTIMIZER_RULES: dict[type, OptimizerRule] = {
         {"momentum": _NON_NEGATIVE, "dampening": unit_interval(), "weight_decay": _NON_NEGATIVE},
         shaped={"momentum_buffer"},
         scalars=(),
+        nullable={"momentum_buffer"},
         checks=(_nesterov,),
     ),
     torch.optim.Adam: OptimizerRule(_ADAM, shaped={"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
@@ -294,9 +302,26 @@ OPTIMIZER_RULES: dict[type, OptimizerRule] = {
 }
 """The rule of each optimizer class, by class (see :func:`register_optimizer`)."""
 
+# Flags of the optimizers' constructors: true, false or null (the optimizer picks), even where the
+# live value is null and so shows no kind.
+_FLAGS = (
+    "foreach",
+    "maximize",
+    "amsgrad",
+    "nesterov",
+    "centered",
+    "decoupled_weight_decay",
+    "capturable",
+    "differentiable",
+    "fused",
+)
+_FLAG = Value(lambda value: value is None or isinstance(value, bool), "true, false or null")
 # Flags that choose how a step runs: a file may not switch them on for an optimizer that was not
 # built with them (a capturable step on CPU parameters fails at its first step).
 _IMPLEMENTATION_FLAGS = ("capturable", "differentiable", "fused")
+# What schedulers add to the parameter groups.
+_SCHEDULED_LRS = ("lr", "initial_lr", "max_lr", "min_lr")
+_SCHEDULED_MOMENTA = ("base_momentum", "max_momentum")
 
 
 def register_optimizer(cls: type[torch.optim.Optimizer], rule: OptimizerRule) -> None:
@@ -312,24 +337,49 @@ def register_optimizer(cls: type[torch.optim.Optimizer], rule: OptimizerRule) ->
     OPTIMIZER_RULES[cls] = rule
 
 
-def _largest(params: list[torch.Tensor]) -> float:
-    """The largest number every floating-point parameter's dtype can hold."""
-    limits = [torch.finfo(p.dtype).max for p in params if p.dtype.is_floating_point]
-    return min(limits, default=torch.finfo(torch.float32).max)
+def _learning_rate(params: list[torch.Tensor]) -> tuple[Value, float]:
+    """The rule of a learning rate for ``params`` (finite, >= 0 and no larger than every
+    floating-point parameter's dtype can hold: a larger one overflows the step), and that
+    largest number."""
+    dtypes = {p.dtype for p in params if p.dtype.is_floating_point} or {torch.float32}
+    dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
+    largest = torch.finfo(dtype).max
+    rule = number(0.0, largest)
+    return Value(rule.test, f"a finite number >= 0 that {dtype} holds (<= {largest:.4g})"), largest
+
+
+def _value_problem(value: Any, rule: Value | None, largest: float) -> str | None:
+    """What a parameter-group value must be, if it is not: its rule's expectation, and for any
+    number one that the parameters' dtype holds (a momentum of 2**70 passes "finite >= 0" and
+    fails converting to a float32 scalar in the step)."""
+    if rule is not None and not rule.test(value):
+        return rule.expected
+    x = _real(value)
+    huge = isinstance(value, int) and not isinstance(value, bool) and x is None
+    if huge or (x is not None and not abs(x) <= largest):
+        return f"a number the parameters' dtype holds (|x| <= {largest:.4g})"
+    return None
 
 
 def _group_problems(
     i: int, live: Mapping[str, Any], group: Mapping[str, Any], rule: OptimizerRule
 ) -> list[str]:
     where = f"optimizer: param_groups[{i}]"
-    largest = _largest(list(live["params"]))
-    lr = number(0.0, largest)
-    rules = {"lr": lr, "initial_lr": lr, **rule.hyperparameters}
+    lr, largest = _learning_rate(list(live["params"]))
+    rules = {
+        **dict.fromkeys(_SCHEDULED_LRS, lr),
+        # a cycled momentum becomes Adam's first beta, which must stay below 1
+        **dict.fromkeys(_SCHEDULED_MOMENTA, _BETA if "betas" in group else _NON_NEGATIVE),
+        **dict.fromkeys(_FLAGS, _FLAG),
+        **rule.hyperparameters,
+    }
     problems = [
-        f"{where}.{key} is {show(group[key])} in the file, not {value.expected}"
-        for key, value in rules.items()
-        if key in group and not value.test(group[key])
+        f"{where}.{key} is {show(value)} in the file, not {expected}"
+        for key, value in group.items()
+        if key != "params" and (expected := _value_problem(value, rules.get(key), largest))
     ]
+    if problems:
+        return problems
     problems += [
         f"{where}.{flag} is true in the file, but the optimizer was built with {flag}="
         f"{live.get(flag)!r} (the flag is the optimizer's, not the checkpoint's)"
@@ -378,7 +428,7 @@ def _state_problems(
                 problems.append(f"{where} {problem}")
         elif key in rule.scalars and _SCALAR_STATE.test(value):
             continue
-        elif value is not None or key in rule.scalars:
+        elif value is not None or key not in rule.nullable:
             problems.append(f"{where} is {show(value)}, not a tensor")
     return problems
 
@@ -422,11 +472,14 @@ class SchedulerRule:
         values: Rules of the state's values by key (the keys every ``LRScheduler`` keeps,
             ``base_lrs``, ``_last_lr``, ``last_epoch`` and ``_step_count``, are checked for every
             class).
+        checks: Further rules comparing the file's state (second argument) with the live
+            state (first); each returns a problem or None.
         nested: Whether the state holds the states of the live scheduler's ``_schedulers``
             (``SequentialLR``, ``ChainedScheduler``), each checked by its own class's rule.
     """
 
     values: Mapping[str, Value] = attrs.field(factory=dict)
+    checks: tuple[Callable[[Mapping[str, Any], Mapping[str, Any]], str | None], ...] = ()
     nested: bool = False
 
 
@@ -449,9 +502,52 @@ _MILESTONES = Value(
 )
 _lr = torch.optim.lr_scheduler
 
+
+def _scale_fn(live: Mapping[str, Any], saved: Mapping[str, Any]) -> str | None:
+    """``_scale_fn_custom``: null without a custom scale function object, its attributes with."""
+    have, got = live.get("_scale_fn_custom"), saved.get("_scale_fn_custom")
+    if (got is not None) if have is None else not isinstance(got, Mapping):
+        expected = "null" if have is None else "a mapping of the scale function's attributes"
+        return f"_scale_fn_custom is {show(got)} in the file, not {expected}"
+    return None
+
+
+def _momenta(live: Mapping[str, Any], saved: Mapping[str, Any]) -> str | None:
+    """Cycled momenta: Adam's first beta (below 1) with ``use_beta1``, SGD's momentum (>= 0)."""
+    rule = _each(_BETA) if saved.get("use_beta1") else _LRS
+    for key in ("base_momentums", "max_momentums"):
+        if key in saved and not rule.test(saved[key]):
+            return f"{key} is {show(saved[key])} in the file, not {rule.expected}"
+    return None
+
+
+def _one_cycle_steps(live: Mapping[str, Any], saved: Mapping[str, Any]) -> str | None:
+    """The schedule cannot be further along than its length."""
+    if saved["last_epoch"] > saved["total_steps"]:
+        return f"last_epoch is {saved['last_epoch']}, past total_steps {saved['total_steps']}"
+    return None
+
+
+def _lambdas(live: Mapping[str, Any], saved: Mapping[str, Any]) -> str | None:
+    """``lr_lambdas``: null for a function (whose state is not saved), the attributes of a
+    callable object (loaded into it) otherwise; one per parameter group."""
+    have, got = live.get("lr_lambdas"), saved.get("lr_lambdas")
+    valid = (
+        isinstance(got, list)
+        and len(got) == len(have or [])
+        and all(
+            (b is None) if a is None else isinstance(b, Mapping) for a, b in zip(have or [], got)
+        )
+    )
+    if not valid:
+        kinds = ["null" if a is None else "a mapping" for a in have or []]
+        return f"lr_lambdas is {show(got)} in the file, not [{', '.join(kinds)}]"
+    return None
+
+
 SCHEDULER_RULES: dict[type, SchedulerRule] = {
-    _lr.LambdaLR: SchedulerRule(),
-    _lr.MultiplicativeLR: SchedulerRule(),
+    _lr.LambdaLR: SchedulerRule(checks=(_lambdas,)),
+    _lr.MultiplicativeLR: SchedulerRule(checks=(_lambdas,)),
     _lr.StepLR: SchedulerRule({"step_size": count(1), "gamma": _DECAY}),
     _lr.MultiStepLR: SchedulerRule({"milestones": _MILESTONES, "gamma": _DECAY}),
     _lr.ExponentialLR: SchedulerRule({"gamma": _DECAY}),
@@ -482,12 +578,12 @@ SCHEDULER_RULES: dict[type, SchedulerRule] = {
             "mode": one_of("triangular", "triangular2", "exp_range"),
             "gamma": _DECAY,
             "scale_mode": one_of("cycle", "iterations"),
-            "base_momentums": _LRS,
-            "max_momentums": _LRS,
-        }
+        },
+        checks=(_momenta, _scale_fn),
     ),
     _lr.OneCycleLR: SchedulerRule(
-        {"total_steps": count(1), "_anneal_func_type": one_of("cos", "linear")}
+        {"total_steps": count(1), "_anneal_func_type": one_of("cos", "linear")},
+        checks=(_one_cycle_steps,),
     ),
     _lr.SequentialLR: SchedulerRule({"_milestones": _each(count())}, nested=True),
     _lr.ChainedScheduler: SchedulerRule(nested=True),
@@ -541,7 +637,7 @@ def scheduler_value_problems(
     # Learning rates, like the optimizer's, no larger than the parameters' dtype can hold.
     optimizer = getattr(scheduler, "optimizer", None)
     params = _runtime.optimizer_params(optimizer) if optimizer is not None else []
-    lr = number(0.0, _largest(params))
+    lr = _learning_rate(params)[0]
     lrs = {key: _each(lr) for key in _LR_LISTS} | {"eta_min": lr}
     rules = {**_COMMON, **rule.values, **{k: v for k, v in lrs.items() if k in saved}}
     problems = [
@@ -549,6 +645,9 @@ def scheduler_value_problems(
         for key, value in rules.items()
         if key in saved and not value.test(saved[key])
     ]
+    if not problems and rule.checks:
+        live = scheduler.state_dict()
+        problems += [f"{where}: {p}" for check in rule.checks if (p := check(live, saved))]
     if rule.nested and not problems:
         inner = getattr(scheduler, "_schedulers", [])
         for i, (live, state) in enumerate(zip(inner, saved.get("_schedulers", []))):
