@@ -5,7 +5,8 @@ them): :func:`check_tree` checks every section of a trainer checkpoint tree for 
 shape against the live objects. Layout errors raise
 :class:`~trainer.exceptions.CheckpointFormatError` naming the file and the key; a file that is
 well formed but belongs to other objects raises :class:`~trainer.exceptions.CheckpointMismatchError`
-listing every difference. The tree's layout is described in :mod:`trainer.state`, which builds
+listing every difference. What the optimizer and scheduler can run (their values, by class) is
+:mod:`trainer.optim_checks`; the tree's layout is described in :mod:`trainer.state`, which builds
 and restores it.
 """
 
