@@ -11,6 +11,7 @@ import json
 import math
 import pathlib
 import pickle
+import random
 import re
 
 import pytest
@@ -33,6 +34,7 @@ from tests.helpers import (
 from trainer import (
     CheckpointError,
     CheckpointFormatError,
+    NonFiniteLossError,
     Trainer,
     read_checkpoint,
     write_checkpoint,
@@ -1043,3 +1045,57 @@ def test_values_no_optimizer_or_scheduler_can_run_are_refused(
     assert started == []
     assert_same_tensors(before[0], parameters_of(model))
     assert _same(before[1], _optimizer_copy(live))
+
+
+_ODD_VALUES = [
+    -1, 0, 1, 2, 0.5, 1e308, -1e308, math.inf, -math.inf, 2**70, -(2**70), 10**9, True, None,
+    "x", [], [1, 2], [2**70], {}, torch.tensor(2.0), torch.ones(3), torch.tensor(math.nan),
+]  # fmt: skip
+
+
+def _value_paths(node, path=()):
+    """The path of every value in the optimizer, scheduler and trainer sections of a tree."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _value_paths(value, (*path, key))
+    elif isinstance(node, list) and node and not all(isinstance(x, torch.Tensor) for x in node):
+        for i, value in enumerate(node):
+            yield from _value_paths(value, (*path, i))
+    elif path and path[0] in ("optimizer", "scheduler", "trainer") and "params" not in path:
+        yield path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_a_value_replaced_anywhere_is_refused_or_runs(tmp_path, seed):
+    """One value of the optimizer, scheduler or trainer section replaced by an odd one: the resume
+    is refused with a CheckpointError naming the file, or it runs (at worst into the trainer's own
+    NonFiniteLossError, for a finite but absurd value such as a learning rate of 1e9)."""
+    rng = random.Random(seed)
+    for trial in range(25):
+        optimizer = rng.choice(sorted(_HOSTILE_OPTIMIZERS))
+        scheduler = rng.choice(list(_HOSTILE_SCHEDULERS))
+        folder = tmp_path / str(trial)
+        folder.mkdir()
+        _, model, live, schedule, loader, path = _hostile_run(folder, optimizer, scheduler)
+        tree = read_checkpoint(path)
+        where = rng.choice(list(_value_paths(tree)))
+        node = tree
+        for key in where[:-1]:
+            node = node[key]
+        node[where[-1]] = rng.choice(_ODD_VALUES)
+        try:
+            write_checkpoint(path, tree)
+        except TypeError:
+            continue  # a value the writer refuses (a dict key of another kind)
+        resumed = Trainer(max_epochs=3, device="cpu")
+        resumed.subscribe(StatefulCounter(), name="counter")
+        try:
+            resumed.fit(
+                model, live, loader, classification_step(model), scheduler=schedule,
+                scheduler_interval="step", resume_from=path,
+            )  # fmt: skip
+        except CheckpointError as exc:
+            assert str(path) in str(exc), (where, str(exc))
+        except NonFiniteLossError:
+            pass
