@@ -5,7 +5,8 @@ them): :func:`check_tree` checks every section of a trainer checkpoint tree for 
 shape against the live objects. Layout errors raise
 :class:`~trainer.exceptions.CheckpointFormatError` naming the file and the key; a file that is
 well formed but belongs to other objects raises :class:`~trainer.exceptions.CheckpointMismatchError`
-listing every difference. The tree's layout is described in :mod:`trainer.state`, which builds
+listing every difference. What the optimizer and scheduler can run (their values, by class) is
+:mod:`trainer.optim_checks`; the tree's layout is described in :mod:`trainer.state`, which builds
 and restores it.
 """
 
@@ -22,6 +23,8 @@ import torch
 from trainer import _runtime
 from trainer.checkpoint import show
 from trainer.exceptions import CheckpointFormatError, CheckpointMismatchError
+from trainer.optim_checks import MAX_COUNT, optimizer_value_problems, scheduler_value_problems
+from trainer.validators import NAME_PATTERN
 
 __all__ = ["PROGRESS_KEYS", "check_tree"]
 
@@ -66,6 +69,24 @@ def _check_layout(path: str, tree: Mapping[str, Any]) -> None:
             f"{path}: the sections {wrong or ['trainer.progress']} do not have the layout "
             "of a trainer checkpoint"
         )
+    _check_progress(path, progress, pending=tree["pending_grads"] is not None)
+    for key in ("optimizer_class", "precision"):
+        if not isinstance(tree["trainer"].get(key), str):
+            raise _bad(path, f"trainer.{key}", "a string", tree["trainer"].get(key))
+    if tree["trainer"]["precision"] not in _runtime.PRECISIONS:
+        expected = f"one of {_runtime.PRECISIONS}"
+        raise _bad(path, "trainer.precision", expected, tree["trainer"]["precision"])
+    _check_listener_names(path, tree["trainer"], tree["listeners"])
+    _check_rng(path, "rng.current", tree["rng"].get("current"))
+    if tree["rng"].get("epoch_start") is not None:
+        _check_rng(path, "rng.epoch_start", tree["rng"]["epoch_start"])
+    for key, value in tree["listeners"].items():
+        if not isinstance(value, dict):
+            raise _bad(path, f"listeners.{key}", "a mapping of the listener's state", value)
+
+
+def _check_progress(path: str, progress: Mapping[str, Any], *, pending: bool) -> None:
+    """Each counter an int in [0, 2**53], and the counters consistent with each other."""
     for key in PROGRESS_KEYS:
         if key not in progress:
             raise CheckpointFormatError(f"{path}: trainer.progress lacks the key {key!r}")
@@ -75,19 +96,48 @@ def _check_layout(path: str, tree: Mapping[str, Any]) -> None:
                 raise _bad(path, f"trainer.progress.{key}", "true or false", value)
         elif not _is_count(value):
             raise _bad(path, f"trainer.progress.{key}", "an int >= 0", value)
+        elif value > MAX_COUNT:
+            raise _bad(path, f"trainer.progress.{key}", "an int <= 2**53", value)
     if progress["optimizer_steps"] > progress["global_step"]:
         raise _bad(path, "trainer.progress.optimizer_steps", "<= global_step", progress)
+    # Every epoch trains at least one batch, and every batch counts in global_step.
+    for key in ("epoch", "batch"):
+        if progress[key] > progress["global_step"]:
+            raise _bad(path, f"trainer.progress.{key}", "<= global_step", progress)
     if progress["batch"] and progress["validation_pending"]:
         raise _bad(path, "trainer.progress.batch", "0 while a validation is pending", progress)
-    for key in ("optimizer_class", "precision"):
-        if not isinstance(tree["trainer"].get(key), str):
-            raise _bad(path, f"trainer.{key}", "a string", tree["trainer"].get(key))
-    _check_rng(path, "rng.current", tree["rng"].get("current"))
-    if tree["rng"].get("epoch_start") is not None:
-        _check_rng(path, "rng.epoch_start", tree["rng"]["epoch_start"])
-    for key, value in tree["listeners"].items():
-        if not isinstance(value, dict):
-            raise _bad(path, f"listeners.{key}", "a mapping of the listener's state", value)
+    # An accumulation window ends with its epoch; its gradients are saved with it.
+    if progress["accumulated"] > progress["batch"]:
+        raise _bad(path, "trainer.progress.accumulated", "<= batch", progress)
+    if bool(progress["accumulated"]) != pending:
+        expected = "0 without pending_grads" if not pending else "> 0 with pending_grads"
+        raise _bad(path, "trainer.progress.accumulated", expected, progress)
+
+
+def _check_listener_names(path: str, section: Mapping[str, Any], listeners: Any) -> None:
+    """``listener_order`` and ``stateful_listeners`` (when present): distinct listener names, the
+    stateful ones among those in order, and every listener state under a stateful one."""
+    names: dict[str, list[str]] = {}
+    for key in ("listener_order", "stateful_listeners"):
+        value = section.get(key)
+        if value is None:
+            continue
+        valid = (
+            isinstance(value, list)
+            and all(isinstance(name, str) and NAME_PATTERN.match(name) for name in value)
+            and len(set(value)) == len(value)
+        )
+        if not valid:
+            raise _bad(path, f"trainer.{key}", "a list of distinct listener names", value)
+        names[key] = value
+    order, stateful = names.get("listener_order"), names.get("stateful_listeners")
+    if order is not None and stateful is not None and not set(stateful) <= set(order):
+        raise _bad(
+            path, "trainer.stateful_listeners", f"names from listener_order {order}", stateful
+        )
+    if stateful is not None and not set(listeners) <= set(stateful):
+        expected = f"the names of every listener state {sorted(listeners)}"
+        raise _bad(path, "trainer.stateful_listeners", expected, stateful)
 
 
 def _check_generator_state(path: str, key: str, value: Any) -> None:
@@ -308,43 +358,28 @@ def _optimizer_problems(
                     f"file, which does not have the kind of the live value {show(live[key])}"
                 )
     params = _runtime.optimizer_params(optimizer)
-    problems += _parameter_state_problems(states, params)
+    problems += _parameter_index_problems(states, params)
+    if not problems:  # values of the right kinds and places: what the optimizer can run
+        problems += optimizer_value_problems(optimizer, groups, states, params)
     problems += _pending_grad_problems(tree["pending_grads"], params)
     return problems
 
 
-_FACTORED_STATE = frozenset({"row_var", "col_var"})
-
-
-def _parameter_state_problems(states: Mapping[str, Any], params: list[torch.Tensor]) -> list[str]:
-    """Per-parameter state (Adam's moments, say) must fit its parameter: a tensor of more than one
-    element has the parameter's shape (factored statistics such as Adafactor's ``row_var`` and
-    ``col_var``: the parameter's rank, each dimension equal or 1), and no tensor is empty unless
-    its parameter is."""
+def _parameter_index_problems(states: Mapping[str, Any], params: list[torch.Tensor]) -> list[str]:
+    """Per-parameter state is keyed by the index of an existing parameter and holds tensors and
+    numbers (what each value must be is :mod:`trainer.optim_checks`' business)."""
     problems = []
     for index, values in states.items():
         position = int(index) if str(index).isdigit() else -1
         if not 0 <= position < len(params):
             problems.append(f"optimizer: state for parameter {index!r}, which does not exist")
             continue
-        shape = tuple(params[position].shape)
-        for name, value in values.items():
-            if isinstance(value, torch.Tensor):
-                factored = name in _FACTORED_STATE and value.dim() == len(shape)
-                fits = (value.numel() == 1 or tuple(value.shape) == shape) or (
-                    factored and all(a in (b, 1) for a, b in zip(value.shape, shape))
-                )
-                fits = fits and (value.numel() > 0 or params[position].numel() == 0)
-                if not fits:
-                    problems.append(
-                        f"optimizer: state {name!r} of parameter {index} has shape "
-                        f"{tuple(value.shape)} in the file, the parameter has shape {shape}"
-                    )
-            elif not (isinstance(value, numbers.Real) or value is None):
-                problems.append(
-                    f"optimizer: state {name!r} of parameter {index} is {show(value)}, "
-                    "not a tensor or a number"
-                )
+        problems += [
+            f"optimizer: state {name!r} of parameter {index} is {show(value)}, "
+            "not a tensor or a number"
+            for name, value in values.items()
+            if not isinstance(value, (torch.Tensor, numbers.Real)) and value is not None
+        ]
     return problems
 
 
@@ -394,7 +429,8 @@ def _scheduler_problems(tree: Mapping[str, Any], scheduler: Any) -> list[str]:
             f"scheduler: the file was written by {saved_class}, the trainer has "
             f"{type(scheduler).__qualname__}"
         ]
-    return _section_problems("scheduler", scheduler.state_dict(), saved)
+    problems = _section_problems("scheduler", scheduler.state_dict(), saved)
+    return problems or scheduler_value_problems(scheduler, saved)
 
 
 def _scaler_problems(tree: Mapping[str, Any], trainer: Any) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from tests.helpers import (
     StatefulCounter,
     assert_same_tensors,
+    assert_same_tree,
     classification_step,
     make_data,
     make_loader,
@@ -488,6 +489,16 @@ SCHEDULERS = {
         [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)],
         milestones=[2],
     ),
+    "ConstantLR": lambda o: torch.optim.lr_scheduler.ConstantLR(o, 0.5, total_iters=3),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda epoch: 0.9**epoch),
+    "MultiplicativeLR": lambda o: torch.optim.lr_scheduler.MultiplicativeLR(o, lambda e: 0.9),
+    "PolynomialLR": lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=4),
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        o, 2, T_mult=2
+    ),
+    "ChainedScheduler": lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)]
+    ),
 }
 
 
@@ -751,3 +762,104 @@ def test_models_with_their_own_loading_or_aliases_are_loaded_in_place(tmp_path, 
         tmp_path / "c.safetensors", model=fresh, optimizer=torch.optim.SGD(fresh.parameters())
     )
     assert check(fresh, source)
+
+
+# Every optimizer of torch.optim that the trainer drives, with the options that add state: a
+# checkpoint of each loads and resumes (issue 26.3 checks their values, trainer/optim_checks.py).
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    "SGD-nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "Adam-amsgrad": lambda p: torch.optim.Adam(p, amsgrad=True, foreach=False),
+    "Adam-fused": lambda p: torch.optim.Adam(p, fused=True),
+    "Adam-tensor-lr": lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01)),
+    "AdamW": lambda p: torch.optim.AdamW(p, amsgrad=True),
+    "Adamax": lambda p: torch.optim.Adamax(p),
+    "NAdam": lambda p: torch.optim.NAdam(p),
+    "RAdam": lambda p: torch.optim.RAdam(p),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p),
+    "Adadelta": lambda p: torch.optim.Adadelta(p),
+    "ASGD": lambda p: torch.optim.ASGD(p),
+    "Rprop": lambda p: torch.optim.Rprop(p),
+    "Adafactor": lambda p: torch.optim.Adafactor(p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_torch_optimizers_round_trip(tmp_path, name):
+    model = make_model()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    loader = make_loader(make_data(n=16), batch_size=8)
+    Trainer(max_epochs=1, device="cpu").fit(model, optimizer, loader, classification_step(model))
+    trainer = Trainer(max_epochs=1, device="cpu")
+    trainer.attach(model, optimizer)
+    trainer.save_checkpoint(tmp_path / "o.safetensors")
+    fresh = make_model(seed=4)
+    other = OPTIMIZERS[name](fresh.parameters())
+    trainer.load_checkpoint(tmp_path / "o.safetensors", model=fresh, optimizer=other)
+    assert_same_tree(
+        {k: v for k, v in optimizer.state_dict().items() if k == "state"},
+        {k: v for k, v in other.state_dict().items() if k == "state"},
+    )
+    resumed = Trainer(max_epochs=2, device="cpu")
+    resumed.fit(
+        fresh, other, loader, classification_step(fresh), resume_from=tmp_path / "o.safetensors"
+    )
+    assert resumed.state.global_step == 4
+
+
+class _Unchecked(torch.optim.Optimizer):
+    """An optimizer of one's own: plain gradient descent, with no value rules registered."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def test_an_optimizer_without_value_rules_is_refused_until_registered(tmp_path):
+    from trainer.optim_checks import OPTIMIZER_RULES, OptimizerRule, register_optimizer
+
+    model = make_model()
+    optimizer = _Unchecked(model.parameters())
+    trainer = Trainer(max_epochs=1, device="cpu")
+    trainer.fit(model, optimizer, make_loader(make_data(n=16)), classification_step(model))
+    trainer.save_checkpoint(tmp_path / "u.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=r"_Unchecked has no value rules") as info:
+        trainer.load_checkpoint(tmp_path / "u.safetensors")
+    assert "register_optimizer" in str(info.value)
+    register_optimizer(_Unchecked, OptimizerRule({}, scalars=()))
+    try:
+        trainer.load_checkpoint(tmp_path / "u.safetensors")
+    finally:
+        del OPTIMIZER_RULES[_Unchecked]
+    with pytest.raises(TypeError, match="OptimizerRule"):
+        register_optimizer(_Unchecked, {"lr": None})
+
+
+def test_a_scheduler_without_value_rules_is_refused_until_registered(tmp_path):
+    from trainer.optim_checks import SCHEDULER_RULES, SchedulerRule, register_scheduler
+
+    class Halving(torch.optim.lr_scheduler.LRScheduler):
+        def get_lr(self):
+            return [group["lr"] * 0.5 for group in self.optimizer.param_groups]
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(max_epochs=1, device="cpu")
+    loader = make_loader(make_data(n=16))
+    trainer.fit(model, optimizer, loader, classification_step(model), scheduler=Halving(optimizer))
+    trainer.save_checkpoint(tmp_path / "s.safetensors")
+    with pytest.raises(CheckpointMismatchError, match="Halving has no value rules"):
+        trainer.load_checkpoint(tmp_path / "s.safetensors")
+    register_scheduler(Halving, SchedulerRule())
+    try:
+        trainer.load_checkpoint(tmp_path / "s.safetensors")
+    finally:
+        del SCHEDULER_RULES[Halving]

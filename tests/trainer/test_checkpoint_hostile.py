@@ -11,6 +11,7 @@ import json
 import math
 import pathlib
 import pickle
+import random
 import re
 
 import pytest
@@ -33,6 +34,7 @@ from tests.helpers import (
 from trainer import (
     CheckpointError,
     CheckpointFormatError,
+    NonFiniteLossError,
     Trainer,
     read_checkpoint,
     write_checkpoint,
@@ -681,3 +683,434 @@ def test_loading_a_broken_file_leaves_the_trainer_untouched(tmp_path):
         assert (counter.count, trainer.state.global_step) == before[2:]
     trainer.load_checkpoint(good)  # the intact file still loads
     assert counter.count == 3
+
+
+# -- values no optimizer or scheduler can run (issue 26.3) ----------------------------------------
+#
+# Each case edits one value of a valid trainer checkpoint and writes it again with valid checksums:
+# `load_checkpoint` and `fit(resume_from=...)` must refuse it with a CheckpointError naming the
+# file and the key, and leave the model and the optimizer exactly as they were.
+
+_HOSTILE_OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+_lr = torch.optim.lr_scheduler
+_HOSTILE_SCHEDULERS = {
+    None: lambda optimizer: None,
+    "step": lambda optimizer: _lr.StepLR(optimizer, 2),
+    "multistep": lambda optimizer: _lr.MultiStepLR(optimizer, [2, 4]),
+    "exponential": lambda optimizer: _lr.ExponentialLR(optimizer, 0.9),
+    "cosine": lambda optimizer: _lr.CosineAnnealingLR(optimizer, 5),
+    "linear": lambda optimizer: _lr.LinearLR(optimizer),
+    "constant": lambda optimizer: _lr.ConstantLR(optimizer),
+    "lambda": lambda optimizer: _lr.LambdaLR(optimizer, lambda epoch: 0.9**epoch),
+    "onecycle": lambda optimizer: _lr.OneCycleLR(optimizer, 1.0, total_steps=50),
+    "cyclic": lambda optimizer: _lr.CyclicLR(optimizer, 0.01, 0.1, step_size_up=3),
+    "sequential": lambda optimizer: _lr.SequentialLR(
+        optimizer, [_lr.ConstantLR(optimizer), _lr.ExponentialLR(optimizer, 0.9)], milestones=[2]
+    ),
+}
+
+
+def _group(key, value):
+    return lambda tree: tree["optimizer"]["param_groups"][0].__setitem__(key, value)
+
+
+def _moment(key, value):
+    """Per-parameter state of parameter 0, the [16, 6] weight of the first layer."""
+    return lambda tree: tree["optimizer"]["state"]["0"].__setitem__(key, value)
+
+
+def _schedule(key, value):
+    return lambda tree: tree["scheduler"].__setitem__(key, value)
+
+
+def _inner_schedule(key, value):
+    return lambda tree: tree["scheduler"]["_schedulers"][1].__setitem__(key, value)
+
+
+def _progress_is(**values):
+    return lambda tree: tree["trainer"]["progress"].update(values)
+
+
+def _trainer_entry(key, value):
+    return lambda tree: tree["trainer"].__setitem__(key, value)
+
+
+def _nan_like(shape):
+    return torch.full(shape, math.nan)
+
+
+# (id, optimizer, scheduler, edit, a fragment of the refusal naming the key)
+_HOSTILE_VALUES = [
+    *(
+        case
+        for name in ("adam", "adamw")
+        for case in [
+            (f"{name}-betas-2-3", name, None, _group("betas", [2, 3]), "betas"),
+            (f"{name}-beta1-1", name, None, _group("betas", [1.0, 0.999]), "betas"),
+            (f"{name}-beta-negative", name, None, _group("betas", [-0.1, 0.999]), "betas"),
+            (f"{name}-betas-one", name, None, _group("betas", [0.9]), "betas"),
+            (f"{name}-lr-negative", name, None, _group("lr", -1), "lr"),
+            (f"{name}-lr-inf", name, None, _group("lr", math.inf), "lr"),
+            (f"{name}-lr-overflows-float32", name, None, _group("lr", 1e300), "lr"),
+            (f"{name}-eps-negative", name, None, _group("eps", -1e-8), "eps"),
+            (f"{name}-eps-inf", name, None, _group("eps", math.inf), "eps"),
+            (f"{name}-weight-decay-negative", name, None, _group("weight_decay", -0.1), "weight"),
+            (f"{name}-weight-decay-inf", name, None, _group("weight_decay", math.inf), "weight"),
+            (f"{name}-capturable-on-cpu", name, None, _group("capturable", True), "capturable"),
+            (f"{name}-differentiable", name, None, _group("differentiable", True), "different"),
+            (f"{name}-exp-avg-0-dim", name, None, _moment("exp_avg", torch.tensor(1.0)), "exp_avg"),
+            (f"{name}-exp-avg-1-elem", name, None, _moment("exp_avg", torch.ones(1)), "exp_avg"),
+            (
+                f"{name}-exp-avg-sq-transposed",
+                name,
+                None,
+                _moment("exp_avg_sq", torch.ones(6, 16)),
+                "exp_avg_sq",
+            ),
+            (f"{name}-exp-avg-nan", name, None, _moment("exp_avg", _nan_like((16, 6))), "exp_avg"),
+            (
+                f"{name}-exp-avg-sq-inf",
+                name,
+                None,
+                _moment("exp_avg_sq", torch.full((16, 6), math.inf)),
+                "exp_avg_sq",
+            ),
+            (f"{name}-step-two-elements", name, None, _moment("step", torch.ones(2)), "step"),
+            (f"{name}-step-negative", name, None, _moment("step", torch.tensor(-3.0)), "step"),
+            (f"{name}-step-nan", name, None, _moment("step", torch.tensor(math.nan)), "step"),
+            (f"{name}-step-huge", name, None, _moment("step", torch.tensor(1e30)), "step"),
+            (
+                f"{name}-unknown-state",
+                name,
+                None,
+                _moment("velocity", torch.ones(16, 6)),
+                "velocity",
+            ),
+        ]
+    ),
+    ("adam-eps-huge-int", "adam", None, _group("eps", 2**70), "eps"),
+    ("adam-exp-avg-sq-null", "adam", None, _moment("exp_avg_sq", None), "exp_avg_sq"),
+    ("adam-fused-a-tensor", "adam", None, _group("fused", torch.ones(2)), "fused"),
+    ("adamw-foreach-a-string", "adamw", None, _group("foreach", "yes"), "foreach"),
+    ("sgd-momentum-huge-int", "sgd", None, _group("momentum", 2**70), "momentum"),
+    ("sgd-unknown-huge-value", "sgd", None, _group("extra", -1e300), "extra"),
+    ("sgd-lr-negative", "sgd", None, _group("lr", -1), "lr"),
+    ("sgd-lr-overflows-float32", "sgd", None, _group("lr", 1e300), "lr"),
+    ("sgd-momentum-negative", "sgd", None, _group("momentum", -0.5), "momentum"),
+    ("sgd-momentum-inf", "sgd", None, _group("momentum", math.inf), "momentum"),
+    ("sgd-dampening-inf", "sgd", None, _group("dampening", math.inf), "dampening"),
+    ("sgd-weight-decay-negative", "sgd", None, _group("weight_decay", -1.0), "weight_decay"),
+    (
+        "sgd-nesterov-without-momentum",
+        "sgd",
+        None,
+        lambda tree: tree["optimizer"]["param_groups"][0].update(nesterov=True, momentum=0.0),
+        "nesterov",
+    ),
+    (
+        "sgd-buffer-0-dim",
+        "sgd",
+        None,
+        _moment("momentum_buffer", torch.tensor(1.0)),
+        "momentum_buffer",
+    ),
+    (
+        "sgd-buffer-wrong-shape",
+        "sgd",
+        None,
+        _moment("momentum_buffer", torch.ones(96)),
+        "momentum_buffer",
+    ),
+    (
+        "sgd-buffer-nan",
+        "sgd",
+        None,
+        _moment("momentum_buffer", _nan_like((16, 6))),
+        "momentum_buffer",
+    ),
+    ("sgd-initial-lr-negative", "sgd", "step", _group("initial_lr", -0.1), "initial_lr"),
+    ("step-gamma-huge", "sgd", "step", _schedule("gamma", 1e308), "gamma"),
+    ("step-gamma-negative", "adam", "step", _schedule("gamma", -0.5), "gamma"),
+    ("step-size-0", "adam", "step", _schedule("step_size", 0), "step_size"),
+    ("step-last-epoch-huge", "adam", "step", _schedule("last_epoch", 2**70), "last_epoch"),
+    ("step-last-epoch-negative", "adam", "step", _schedule("last_epoch", -5), "last_epoch"),
+    ("step-step-count-negative", "adam", "step", _schedule("_step_count", -1), "_step_count"),
+    ("step-base-lrs-negative", "adam", "step", _schedule("base_lrs", [-0.01]), "base_lrs"),
+    ("step-base-lrs-huge", "adam", "step", _schedule("base_lrs", [1e300]), "base_lrs"),
+    ("step-last-lr-inf", "adam", "step", _schedule("_last_lr", [math.inf]), "_last_lr"),
+    ("multistep-gamma-huge", "adam", "multistep", _schedule("gamma", 1e308), "gamma"),
+    ("multistep-gamma-inf", "sgd", "multistep", _schedule("gamma", math.inf), "gamma"),
+    (
+        "multistep-milestone-negative",
+        "adam",
+        "multistep",
+        _schedule("milestones", {-2: 1}),
+        "milestones",
+    ),
+    (
+        "multistep-milestone-count-0",
+        "adam",
+        "multistep",
+        _schedule("milestones", {2: 0}),
+        "milestones",
+    ),
+    ("exponential-gamma-huge", "adam", "exponential", _schedule("gamma", 1e308), "gamma"),
+    ("exponential-gamma-inf", "adamw", "exponential", _schedule("gamma", math.inf), "gamma"),
+    ("cosine-t-max-0", "adam", "cosine", _schedule("T_max", 0), "T_max"),
+    ("cosine-eta-min-negative", "adam", "cosine", _schedule("eta_min", -1.0), "eta_min"),
+    ("cosine-eta-min-inf", "sgd", "cosine", _schedule("eta_min", math.inf), "eta_min"),
+    ("linear-start-factor-0", "adam", "linear", _schedule("start_factor", 0.0), "start_factor"),
+    ("linear-end-factor-2", "adam", "linear", _schedule("end_factor", 2.0), "end_factor"),
+    ("linear-total-iters-negative", "adam", "linear", _schedule("total_iters", -1), "total_iters"),
+    ("constant-factor-2", "adam", "constant", _schedule("factor", 2.0), "factor"),
+    (
+        "constant-total-iters-negative",
+        "sgd",
+        "constant",
+        _schedule("total_iters", -3),
+        "total_iters",
+    ),
+    ("lambda-last-epoch-huge", "adam", "lambda", _schedule("last_epoch", 2**70), "last_epoch"),
+    ("lambda-lr-lambdas-false", "adam", "lambda", _schedule("lr_lambdas", [False]), "lr_lambdas"),
+    (
+        "lambda-lr-lambdas-state",
+        "adam",
+        "lambda",
+        _schedule("lr_lambdas", [{"x": 1}]),
+        "lr_lambdas",
+    ),
+    ("onecycle-base-momentum", "sgd", "onecycle", _group("base_momentum", -1e308), "base_momentum"),
+    ("onecycle-past-its-end", "adam", "onecycle", _schedule("last_epoch", 10**9), "last_epoch"),
+    ("cyclic-adam-momentum-1", "adam", "cyclic", _schedule("max_momentums", [1.0]), "momentums"),
+    ("cyclic-scale-fn-state", "sgd", "cyclic", _schedule("_scale_fn_custom", 3), "_scale_fn"),
+    ("onecycle-total-steps-0", "sgd", "onecycle", _schedule("total_steps", 0), "total_steps"),
+    (
+        "onecycle-anneal-unknown",
+        "sgd",
+        "onecycle",
+        _schedule("_anneal_func_type", "sine"),
+        "_anneal_func_type",
+    ),
+    ("cyclic-mode-unknown", "sgd", "cyclic", _schedule("mode", "zigzag"), "mode"),
+    ("cyclic-max-lrs-negative", "sgd", "cyclic", _schedule("max_lrs", [-1.0]), "max_lrs"),
+    ("cyclic-gamma-huge", "sgd", "cyclic", _schedule("gamma", 1e308), "gamma"),
+    (
+        "sequential-milestone-negative",
+        "adam",
+        "sequential",
+        _schedule("_milestones", [-1]),
+        "_milestones",
+    ),
+    ("sequential-inner-gamma-huge", "adam", "sequential", _inner_schedule("gamma", 1e308), "gamma"),
+    ("progress-epoch-2-70", "adam", None, _progress_is(epoch=2**70), "trainer.progress.epoch"),
+    ("progress-epoch-past-steps", "adam", None, _progress_is(epoch=50), "trainer.progress.epoch"),
+    ("progress-batch-1e9", "adam", None, _progress_is(batch=10**9), "trainer.progress.batch"),
+    (
+        "progress-global-step-2-70",
+        "adam",
+        None,
+        _progress_is(global_step=2**70),
+        "trainer.progress.global_step",
+    ),
+    (
+        "progress-accumulated-1e6",
+        "adam",
+        None,
+        _progress_is(accumulated=10**6),
+        "trainer.progress.accumulated",
+    ),
+    (
+        "progress-accumulated-without-gradients",
+        "sgd",
+        None,
+        _progress_is(batch=2, accumulated=1),
+        "trainer.progress.accumulated",
+    ),
+    (
+        "precision-sixty-four",
+        "adam",
+        None,
+        _trainer_entry("precision", "sixty-four"),
+        "trainer.precision",
+    ),
+    (
+        "listener-order-garbage",
+        "adam",
+        None,
+        _trainer_entry("listener_order", {"x": 3}),
+        "trainer.listener_order",
+    ),
+    (
+        "listener-order-numbers",
+        "adam",
+        None,
+        _trainer_entry("listener_order", [3, 4]),
+        "trainer.listener_order",
+    ),
+    (
+        "listener-order-twice",
+        "adam",
+        None,
+        _trainer_entry("listener_order", ["counter"] * 2),
+        "trainer.listener_order",
+    ),
+    (
+        "listener-order-without-a-stateful-one",
+        "adam",
+        None,
+        _trainer_entry("listener_order", []),
+        "trainer.stateful_listeners",
+    ),
+    (
+        "stateful-listeners-garbage",
+        "adam",
+        None,
+        _trainer_entry("stateful_listeners", "counter"),
+        "trainer.stateful_listeners",
+    ),
+]
+
+
+def _hostile_run(tmp_path, optimizer: str, scheduler):
+    """A trainer after one epoch (saved to a file) and a second (the live state moved on)."""
+    model = make_model()
+    live = _HOSTILE_OPTIMIZERS[optimizer](model.parameters())
+    schedule = _HOSTILE_SCHEDULERS[scheduler](live)
+    trainer = Trainer(max_epochs=1, device="cpu", seed=0)
+    trainer.subscribe(StatefulCounter(), name="counter")
+    loader = make_loader(make_data(n=24), batch_size=8)
+    step = classification_step(model)
+    trainer.fit(model, live, loader, step, scheduler=schedule, scheduler_interval="step")
+    path = tmp_path / "hostile.safetensors"
+    trainer.save_checkpoint(path)
+    trainer.fit(model, live, loader, step, scheduler=schedule, scheduler_interval="step")
+    return trainer, model, live, schedule, loader, path
+
+
+def _optimizer_copy(optimizer: torch.optim.Optimizer) -> dict:
+    state = optimizer.state_dict()
+    return {
+        "state": {k: {n: _clone(v) for n, v in s.items()} for k, s in state["state"].items()},
+        "param_groups": [dict(group) for group in state["param_groups"]],
+    }
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.all_or_nothing
+@pytest.mark.parametrize(
+    ("optimizer", "scheduler", "edit", "key"),
+    [case[1:] for case in _HOSTILE_VALUES],
+    ids=[case[0] for case in _HOSTILE_VALUES],
+)
+def test_values_no_optimizer_or_scheduler_can_run_are_refused(
+    tmp_path, optimizer, scheduler, edit, key
+):
+    trainer, model, live, schedule, loader, path = _hostile_run(tmp_path, optimizer, scheduler)
+    tree = read_checkpoint(path)
+    edit(tree)
+    write_checkpoint(path, tree)
+    before = (parameters_of(model), _optimizer_copy(live), trainer.state.global_step)
+    schedule_before = None if schedule is None else schedule.state_dict()
+    with pytest.raises(CheckpointError) as info:
+        trainer.load_checkpoint(path)
+    assert str(path) in str(info.value) and key in str(info.value), str(info.value)
+    assert_same_tensors(before[0], parameters_of(model))
+    assert _same(before[1], _optimizer_copy(live))
+    assert trainer.state.global_step == before[2]
+    if schedule is not None:
+        assert schedule.state_dict() == schedule_before
+
+    resumed = Trainer(max_epochs=3, device="cpu")
+    resumed.subscribe(StatefulCounter(), name="counter")
+    started = []
+    resumed.connect("train_start", lambda: started.append(True))
+    with pytest.raises(CheckpointError) as info:
+        resumed.fit(
+            model,
+            live,
+            loader,
+            classification_step(model),
+            scheduler=schedule,
+            scheduler_interval="step",
+            resume_from=path,
+        )
+    assert str(path) in str(info.value) and key in str(info.value), str(info.value)
+    assert started == []
+    assert_same_tensors(before[0], parameters_of(model))
+    assert _same(before[1], _optimizer_copy(live))
+
+
+_ODD_VALUES = [
+    -1, 0, 1, 2, 0.5, 1e308, -1e308, math.inf, -math.inf, 2**70, -(2**70), 10**9, True, None,
+    "x", [], [1, 2], [2**70], {}, torch.tensor(2.0), torch.ones(3), torch.tensor(math.nan),
+]  # fmt: skip
+
+
+def _value_paths(node, path=()):
+    """The path of every value in the optimizer, scheduler and trainer sections of a tree."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _value_paths(value, (*path, key))
+    elif isinstance(node, list) and node and not all(isinstance(x, torch.Tensor) for x in node):
+        for i, value in enumerate(node):
+            yield from _value_paths(value, (*path, i))
+    elif path and path[0] in ("optimizer", "scheduler", "trainer") and "params" not in path:
+        yield path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_a_value_replaced_anywhere_is_refused_or_runs(tmp_path, seed):
+    """One value of the optimizer, scheduler or trainer section replaced by an odd one: the resume
+    is refused with a CheckpointError naming the file, or it runs (at worst into the trainer's own
+    NonFiniteLossError, for a finite but absurd value such as a learning rate of 1e9)."""
+    rng = random.Random(seed)
+    for trial in range(25):
+        optimizer = rng.choice(sorted(_HOSTILE_OPTIMIZERS))
+        scheduler = rng.choice(list(_HOSTILE_SCHEDULERS))
+        folder = tmp_path / str(trial)
+        folder.mkdir()
+        _, model, live, schedule, loader, path = _hostile_run(folder, optimizer, scheduler)
+        tree = read_checkpoint(path)
+        where = rng.choice(list(_value_paths(tree)))
+        node = tree
+        for key in where[:-1]:
+            node = node[key]
+        node[where[-1]] = rng.choice(_ODD_VALUES)
+        try:
+            write_checkpoint(path, tree)
+        except TypeError:
+            continue  # a value the writer refuses (a dict key of another kind)
+        resumed = Trainer(max_epochs=3, device="cpu")
+        resumed.subscribe(StatefulCounter(), name="counter")
+        try:
+            resumed.fit(
+                model, live, loader, classification_step(model), scheduler=schedule,
+                scheduler_interval="step", resume_from=path,
+            )  # fmt: skip
+        except CheckpointError as exc:
+            assert str(path) in str(exc), (where, str(exc))
+        except NonFiniteLossError:
+            pass
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.05, 2.0])
+def test_a_growing_or_decaying_schedule_resumes(tmp_path, gamma):
+    # A factor above 1 is a warm-up's choice, not a hostile value: its own checkpoint loads.
+    model = make_model()
+    live = torch.optim.SGD(model.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.ExponentialLR(live, gamma=gamma)
+    trainer = Trainer(max_epochs=1, device="cpu", seed=0)
+    loader = make_loader(make_data(n=24), batch_size=8)
+    trainer.fit(model, live, loader, classification_step(model), scheduler=schedule)
+    path = tmp_path / "schedule.safetensors"
+    trainer.save_checkpoint(path)
+    trainer.load_checkpoint(path)
+    assert schedule.gamma == gamma
