@@ -165,7 +165,11 @@ class FailedUpdateUndo:
         heads = None
         if isinstance(model, MultiHeadClassificationModel):
             heads = frozenset(model.heads)
-        return UpdateSnapshot(take_fit_snapshot(self.trainer, model, reused), fields, heads)
+        snapshot = UpdateSnapshot(take_fit_snapshot(self.trainer, model, reused), fields, heads)
+        state = snapshot.fit.listeners.get("learner", {}).get("buffer")
+        if isinstance(self.buffer, _MAPPED) and state is not None:
+            self.buffer.pin_snapshot(state)  # kept however many checkpoints the update writes
+        return snapshot
 
     def _roll_back_update(self, snapshot: UpdateSnapshot) -> None:
         model = self.model

@@ -224,6 +224,7 @@ class _WorkFiles:
     write_folder: pathlib.Path | None = None
     read_folder: pathlib.Path | None = None
     held: dict[str, tuple[int, int]] = attrs.field(factory=dict)  # name: (descriptor, generation)
+    pinned: set[str] = attrs.field(factory=set)  # held snapshots an undo still needs
     # lazy loads: the snapshot tensors the next storage is (None: make work files), and whether
     # the storage is now such snapshot files (read-only descriptors: copied before a write)
     adopted: list[tuple[torch.Tensor, str]] | None = None
@@ -237,10 +238,13 @@ class _WorkFiles:
 
     def release(self, names: list[str]) -> None:
         for name in names:
+            self.pinned.discard(name)
             os.close(self.held.pop(name)[0])
 
     def release_up_to(self, generation: int) -> None:
-        self.release([name for name, (_, g) in self.held.items() if g <= generation])
+        """Close the held snapshots of ``generation`` and before, but the pinned ones."""
+        old = [n for n, (_, g) in self.held.items() if g <= generation and n not in self.pinned]
+        self.release(old)
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
         raise TypeError(
@@ -463,6 +467,13 @@ class _MappedStorage:
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             raise _disk_error(exc, final, nbytes, type(self).__name__) from exc
+
+    def pin_snapshot(self, state: Mapping[str, Any]) -> None:
+        """Keep the held snapshot files of :meth:`state_dict`'s ``state`` open until
+        :meth:`release_snapshot`, however many later snapshots are taken (an update's undo copy
+        outlives the mid-update checkpoints, which otherwise close all but the last two)."""
+        names = [record["file"] for record in state["mapped"]["files"]]
+        self._files.pinned.update(name for name in names if name in self._files.held)
 
     def release_snapshot(self, state: Mapping[str, Any]) -> None:
         """Let go of the snapshot files of :meth:`state_dict`'s ``state``, taken outside

@@ -348,3 +348,25 @@ def test_a_lazy_load_reads_the_snapshot_in_place_and_copies_it_only_before_a_wri
         lazy.update(inputs, targets, metadata)
         _same_sample(eager.sample(6), lazy.sample(6))
     assert {p.name: _digest(p) for p in source.glob("buffer.g*")} == files  # never written
+
+
+@pytest.mark.all_or_nothing
+def test_a_pinned_rollback_snapshot_outlives_later_snapshots(tmp_path):
+    # An update's undo copy is a held snapshot; checkpoints taken during the update hold newer
+    # ones, and each closes all but the last two: the undo copy must stay until released.
+    buffer = MappedReservoirBuffer(20, folder=tmp_path, unlinked=True, seed=2)
+    reference = ReservoirBuffer(20, seed=2)
+    for inputs, targets, metadata in _stream(4):
+        buffer.update(inputs, targets, metadata)
+        reference.update(inputs, targets, metadata)
+    saved, expected = buffer.state_dict(), reference.state_dict()
+    buffer.pin_snapshot(saved)
+    for round_ in range(4):  # mid-update checkpoints
+        for inputs, targets, metadata in _stream(2, seed=10 + round_):
+            buffer.update(inputs, targets, metadata)
+        buffer.state_dict()
+    buffer.load_state_dict(saved)  # the undo, four snapshots later
+    reference.load_state_dict(expected)
+    _same_sample(buffer.sample(10), reference.sample(10))
+    buffer.release_snapshot(saved)
+    assert not buffer._files.pinned
