@@ -49,7 +49,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.inference import forward, inference, model_device, takes_task_id
+from renate_events.inference import (
+    EVAL_BATCH_SIZE,
+    forward,
+    inference,
+    model_device,
+    pinned,
+    takes_task_id,
+)
 from trainer import validators
 from trainer.data import to_device
 
@@ -81,14 +88,16 @@ def evaluate(
     tasks: Sequence[Any],
     *,
     mode: Mode = "class-incremental",
-    batch_size: int = 256,
+    batch_size: int = EVAL_BATCH_SIZE,
     device: str | torch.device | None = None,
 ) -> list[float]:
     """Accuracy of ``model`` on the test set of each task.
 
-    The model runs in eval mode under ``torch.no_grad()``; afterwards every submodule gets back
-    the train/eval mode it had. Correct predictions are counted on the device, so there is one
-    synchronisation (``.item()``) per task.
+    The model runs in eval mode under ``torch.inference_mode()`` (``torch.no_grad()`` while it
+    has lazy parameters to create); afterwards every submodule gets back the train/eval mode it
+    had. Test data held on the CPU is pinned once and copied to a GPU without waiting; correct
+    predictions are counted on the device, so there is one synchronisation (``.item()``) per
+    task.
 
     * ``"class-incremental"``: the prediction is the argmax over all logits.
     * ``"task-incremental"``: the task is known at test time; logits of classes outside
@@ -109,7 +118,7 @@ def evaluate(
         tasks: :class:`~renate_events.scenarios.Task` objects (anything with ``test``, a dataset
             of ``(inputs, target)``, and ``classes``).
         mode: ``"class-incremental"`` or ``"task-incremental"``.
-        batch_size: Test samples per forward pass.
+        batch_size: Test samples per forward pass (large: nothing is kept for a backward pass).
         device: Where to run; by default the device of the model's first parameter (CPU for a
             model without parameters). The model itself is not moved.
 
@@ -144,7 +153,7 @@ def evaluate(
     target_device = _device(model, device)
     if mode == "task-incremental":
         _check_heads(model, tasks)
-    with inference(model):
+    with inference(model, outputs_leave_autograd=True):
         return [
             _accuracy(model, task, index, mode, batch_size, target_device)
             for index, task in enumerate(tasks)
@@ -169,8 +178,8 @@ def _accuracy(
     allowed: torch.Tensor | None = None
     # Task-incremental: through the task's own head, when the model takes a task id.
     head = task_id if mode == "task-incremental" and takes_task_id(model) else None
-    for inputs, targets in _batches(task.test, batch_size, name):
-        targets = targets.to(device)
+    for inputs, targets in _batches(task.test, batch_size, name, device):
+        targets = to_device(targets, device)
         logits = forward(model, to_device(inputs, device), head)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -210,9 +219,13 @@ def _check_heads(model: nn.Module, tasks: Sequence[Any]) -> None:
         )
 
 
-def _batches(data: Any, batch_size: int, name: str) -> Iterator[tuple[Any, torch.Tensor]]:
+def _batches(
+    data: Any, batch_size: int, name: str, device: torch.device
+) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(inputs, targets)`` chunks of ``data``; for a GPU, from pinned memory (tensors pinned
+    once per call, a DataLoader's batches by the loader)."""
     if isinstance(data, TensorDataset):
-        *inputs, targets = data.tensors
+        *inputs, targets = (pinned(tensor, device) for tensor in data.tensors)
         if not inputs:
             raise ValueError(f"evaluate ({name}): the test TensorDataset has no input tensor")
         for start in range(0, len(targets), batch_size):
@@ -220,7 +233,8 @@ def _batches(data: Any, batch_size: int, name: str) -> Iterator[tuple[Any, torch
             batch = [t[start:stop] for t in inputs]
             yield (batch[0] if len(batch) == 1 else tuple(batch)), targets[start:stop]
         return
-    for batch in DataLoader(data, batch_size=batch_size, shuffle=False):
+    loader = DataLoader(data, batch_size=batch_size, pin_memory=device.type == "cuda")
+    for batch in loader:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(
                 f"evaluate ({name}): test batches must be (inputs, targets) pairs, got "
@@ -702,7 +716,7 @@ def regression_metrics(
 def _all_logits(model: nn.Module, data: Any, batch_size: int, device: torch.device) -> Any:
     """Logits of ``model`` on every sample of ``data`` and the targets, on ``device``."""
     outputs, labels = [], []
-    for inputs, targets in _batches(data, batch_size, "regression metrics"):
+    for inputs, targets in _batches(data, batch_size, "regression metrics", device):
         logits = forward(model, to_device(inputs, device))
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -711,7 +725,7 @@ def _all_logits(model: nn.Module, data: Any, batch_size: int, device: torch.devi
                 f"(batch, num_classes), got {got}"
             )
         outputs.append(logits.argmax(dim=1))
-        labels.append(targets.to(device))
+        labels.append(to_device(targets, device))
     if not labels:
         raise ValueError("model_regression_metrics: the dataset is empty")
     return torch.cat(outputs), torch.cat(labels)
@@ -722,13 +736,13 @@ def model_regression_metrics(
     new_model: nn.Module,
     data: Any,
     *,
-    batch_size: int = 256,
+    batch_size: int = EVAL_BATCH_SIZE,
     device: str | torch.device | None = None,
 ) -> dict[str, float]:
     """:func:`regression_metrics` of two models on a dataset of ``(inputs, target)``.
 
-    Both models run in eval mode under ``torch.no_grad()`` and get back their train/eval modes
-    afterwards; each runs on ``device``, by default the device of its own first parameter
+    Both models run in eval mode under ``torch.inference_mode()`` and get back their train/eval
+    modes afterwards; each runs on ``device``, by default the device of its own first parameter
     (neither model is moved).
 
     Example:
@@ -745,14 +759,10 @@ def model_regression_metrics(
                 f"{type(model).__name__}"
             )
     validators.check_int("model_regression_metrics: batch_size", batch_size, 1)
-    modes = [(m, m.training) for model in (old_model, new_model) for m in model.modules()]
-    old_model.eval()
-    new_model.eval()
-    try:
-        with torch.no_grad():
-            old, _ = _all_logits(old_model, data, batch_size, _device(old_model, device))
-            new, targets = _all_logits(new_model, data, batch_size, _device(new_model, device))
-    finally:
-        for module, training in modes:
-            module.training = training
+    with (
+        inference(old_model, outputs_leave_autograd=True),
+        inference(new_model, outputs_leave_autograd=True),
+    ):
+        old, _ = _all_logits(old_model, data, batch_size, _device(old_model, device))
+        new, targets = _all_logits(new_model, data, batch_size, _device(new_model, device))
     return regression_metrics(old, new, targets)

@@ -2,8 +2,10 @@
 
 ``call_model`` unpacks the inputs (a tensor, a tuple/list or a dict), ``forward`` adds the task id
 Renate's ``RenateModule.forward(x, task_id)`` takes, ``model_device`` finds where a model lives,
-``inference`` runs it without gradients in eval mode, and ``outputs_in_batches`` runs it over a
-large tensor in chunks, on the model's device.
+``inference`` runs it without gradients in eval mode (``torch.inference_mode`` where its outputs
+never meet autograd: evaluation), and ``outputs_in_batches`` runs it over a large tensor in
+chunks of ``EVAL_BATCH_SIZE`` rows, on the model's device (from pinned memory, without waiting
+for each copy, when that device is a GPU).
 
 Example:
     >>> import torch
@@ -26,13 +28,20 @@ import torch
 from torch import nn
 
 __all__ = [
+    "EVAL_BATCH_SIZE",
     "call_model",
     "forward",
     "inference",
     "model_device",
     "outputs_in_batches",
+    "pinned",
     "takes_task_id",
 ]
+
+EVAL_BATCH_SIZE = 1024
+"""Samples per forward pass when a model is only evaluated: without gradients nothing is kept
+for a backward pass, so a large batch costs little memory and saves per-call overhead (the
+launches and Python work that bound a small model's forward on a GPU)."""
 
 
 def call_model(model: nn.Module, inputs: Any, **keywords: Any) -> Any:
@@ -75,24 +84,44 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 @contextlib.contextmanager
-def inference(model: nn.Module) -> Iterator[None]:
+def inference(model: nn.Module, *, outputs_leave_autograd: bool = False) -> Iterator[None]:
     """Run ``model`` in eval mode without gradients, then give every submodule back the
-    train/eval mode it had (also when the block raises)."""
+    train/eval mode it had (also when the block raises).
+
+    Args:
+        model: The model.
+        outputs_leave_autograd: The tensors made in the block never enter autograd later (they
+            are reduced to counts or metrics, as in evaluation): run under the faster
+            ``torch.inference_mode``. Not for tensors kept for training (a replay buffer's
+            inputs or logits), nor for a model with lazy parameters still to be created (they
+            would be inference tensors): those run under ``torch.no_grad``.
+    """
     modes = [(module, module.training) for module in model.modules()]
+    lazy = any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters())
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.inference_mode() if outputs_leave_autograd and not lazy else torch.no_grad():
             yield
     finally:
         for module, training in modes:
             module.training = training
 
 
+def pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` in page-locked memory when it is copied from the CPU to a GPU in chunks (pinned
+    once, so that each chunk's ``.to(device, non_blocking=True)`` does not wait for the copy)."""
+    if device.type != "cuda" or tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
 def outputs_in_batches(
-    model: nn.Module, inputs: torch.Tensor, batch_size: int = 256
+    model: nn.Module, inputs: torch.Tensor, batch_size: int = EVAL_BATCH_SIZE
 ) -> Iterator[torch.Tensor]:
     """``model``'s outputs on ``inputs``, ``batch_size`` rows at a time, each chunk moved to the
-    model's device first. Call it inside :func:`inference` for evaluation."""
+    model's device first (from pinned memory, without a wait, on a GPU). Call it inside
+    :func:`inference` for evaluation."""
     device = model_device(model)
+    inputs = pinned(inputs, device)
     for start in range(0, len(inputs), batch_size):
-        yield forward(model, inputs[start : start + batch_size].to(device))
+        yield forward(model, inputs[start : start + batch_size].to(device, non_blocking=True))

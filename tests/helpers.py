@@ -150,18 +150,29 @@ def classification_step(model: torch.nn.Module):
 
 
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """CPU copies of the model's state: its values wherever it lives (a trained model is on CUDA
+    where one is available, a restored one where its owner put it); a test that cares where the
+    model is asserts the device itself."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
+        _check_same_device(a[key], b[key], key)
         assert torch.equal(a[key], b[key]), key
+
+
+def _check_same_device(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    """Tensors are compared where they are: a comparison across devices is a failing test with
+    the two devices named, not torch's error (compare ``.cpu()`` copies when only values count)."""
+    assert a.device == b.device, f"{where}: compared across devices, {a.device} and {b.device}"
 
 
 def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
     """Nested dicts/lists of tensors and JSON values are equal, tensors bit for bit."""
     if isinstance(a, torch.Tensor):
+        _check_same_device(a, b, where)
         assert torch.equal(a, b), where
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where

@@ -49,14 +49,12 @@ file older than the rank files, which :func:`merge_rank_state` refuses with a cl
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import reprlib
-import socket
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -67,12 +65,18 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.exceptions import CheckpointError, CheckpointFormatError
-from trainer.files import fsync_file, fsync_folder
+from trainer.files import (
+    fsync_file,
+    fsync_folder,
+    remove_dead_writers_temporaries,
+    writer_temporary_prefix,
+)
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "check_value",
+    "json_too_deep",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -87,6 +91,11 @@ _TENSOR = "$tensor"
 _INT_KEYS = "$intkeys"
 
 _MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself applies
+# Nesting bounds, counted here before parsing (the parser's own limit is the interpreter's
+# recursion limit, which differs between versions and settings): a header is 3 levels deep,
+# a tree as deep as its listeners' states; both far below what any interpreter parses.
+_MAX_HEADER_DEPTH, _MAX_TREE_DEPTH = 512, 200
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
 _METADATA_KEYS = ("format", "format_version", "tree", "checksums")
 _TENSOR_FIELDS = ("data_offsets", "dtype", "shape")
@@ -316,6 +325,7 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
 
     Raises:
         TypeError: When the tree holds something that cannot be stored.
+        ValueError: When the tree nests deeper than 200 levels (as JSON).
         CheckpointError: When the file cannot be written; any previous file at ``path`` is intact.
 
     Example:
@@ -333,13 +343,15 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
         "format_version": str(FORMAT_VERSION),
         "tree": json.dumps(skeleton, separators=(",", ":")),
     }
+    if json_too_deep(metadata["tree"], _MAX_TREE_DEPTH):  # refused now, not when read back
+        raise ValueError(f"cannot store the checkpoint: it nests over {_MAX_TREE_DEPTH} levels")
     metadata["checksums"] = _checksums(metadata, encoder.tensors)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
-        _remove_stale_temporaries(path)
-        fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=folder)
+        remove_dead_writers_temporaries(path)
+        fd, tmp = tempfile.mkstemp(prefix=writer_temporary_prefix(path), suffix=".tmp", dir=folder)
         os.close(fd)
     except OSError as exc:  # no space or inodes left, no permission
         raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
@@ -357,48 +369,6 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
             raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
         raise
     fsync_folder(folder)
-
-
-# A temporary file is named after its target, host and process: .TARGET.HOST.PID.RANDOM.tmp.
-# The next save of the same target removes the ones whose process is gone (killed mid-save), and
-# never those of a live writer.
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-
-
-def _temporary_prefix(path: str) -> str:
-    return f".{os.path.basename(path)}.{_host()}.{os.getpid()}."
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OverflowError, ValueError):  # not a pid this library wrote: leave the file alone
-        return True
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def _remove_stale_temporaries(path: str) -> None:
-    """Delete temporary files of earlier saves of ``path`` whose writer on this host died."""
-    folder = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(
-        rf"^\.{re.escape(os.path.basename(path))}\.{re.escape(_host())}\.(\d+)\.[^.]+\.tmp$"
-    )
-    try:
-        entries = os.listdir(folder)
-    except OSError:
-        return  # no folder yet: nothing stale
-    for entry in entries:
-        match = pattern.match(entry)
-        if match and not _process_alive(int(match.group(1))):
-            with contextlib.suppress(OSError):  # another saver removed it first
-                os.unlink(os.path.join(folder, entry))
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, tensors_only: bool = False) -> dict[str, Any]:
@@ -436,7 +406,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, tensors_only: bool = False)
     if tensors_only:
         return _load_tensors(path, layout)
     metadata = _check_metadata(path, layout.metadata)
-    skeleton = _parse_json(path, metadata["tree"], "its metadata entry 'tree'")
+    skeleton = _parse_json(path, metadata["tree"], "its metadata entry 'tree'", deep="its tree")
     if not isinstance(skeleton, dict):
         raise CheckpointFormatError(
             f"{path}: its tree is a {_json_type(skeleton)}, not a JSON object"
@@ -451,10 +421,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, tensors_only: bool = False)
                 "was damaged or edited after it was written; restore it from a copy"
             )
     decoder = _Decoder(path, tensors)
-    try:
-        tree = decoder.decode(skeleton, "")
-    except RecursionError:
-        raise CheckpointFormatError(f"{path}: its tree is nested too deeply to read") from None
+    tree = decoder.decode(skeleton, "")  # at most _MAX_TREE_DEPTH levels: _parse_json counted
     unused = sorted(set(tensors) - decoder.used)
     if unused:
         raise CheckpointFormatError(
@@ -522,7 +489,29 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed here")
 
 
-def _parse_json(path: str, text: str, what: str, *, header: bool = False) -> Any:
+def json_too_deep(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests arrays and objects more than ``limit`` levels deep, counted
+    without recursion (strings skipped): checked before parsing untrusted JSON, so that the
+    answer does not depend on the interpreter's recursion limit."""
+    depth = 0
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in "]}":
+            depth -= 1
+    return False
+
+
+def _parse_json(path: str, text: str, what: str, *, header: bool = False, deep: str = "") -> Any:
+    """Parse untrusted JSON (``deep``: what a refusal of its depth calls it, ``what`` if empty)."""
+    limit = _MAX_HEADER_DEPTH if header else _MAX_TREE_DEPTH
+    if json_too_deep(text, limit):
+        raise CheckpointFormatError(
+            f"{path}: {deep or what} is nested too deeply to read (over {limit})"
+        )
     try:
         if header:
             return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
@@ -531,8 +520,6 @@ def _parse_json(path: str, text: str, what: str, *, header: bool = False) -> Any
         raise CheckpointFormatError(
             f"{path}: {what} names the key {show(exc.key)} twice in one object"
         ) from None
-    except RecursionError:
-        raise CheckpointFormatError(f"{path}: {what} is nested too deeply to read") from None
     except ValueError as exc:
         raise CheckpointFormatError(f"{path}: {what} is not valid JSON ({exc})") from exc
 

@@ -18,11 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import re
 import secrets
+import socket
 import stat
 import time
 from types import TracebackType
@@ -37,10 +39,13 @@ __all__ = [
     "LockFileError",
     "fsync_file",
     "fsync_folder",
+    "host_name",
     "is_temporary_sibling",
     "lock_path",
+    "remove_dead_writers_temporaries",
     "sha256_of_file",
     "temporary_sibling",
+    "writer_temporary_prefix",
 ]
 
 
@@ -98,6 +103,50 @@ def is_temporary_sibling(entry: str, target_name: str, tag: str) -> bool:
     """Whether ``entry`` (a name in the target's folder) was made by :func:`temporary_sibling`."""
     pattern = rf"\.{re.escape(target_name)}\.{re.escape(tag)}\.[0-9a-f]{{{_SUFFIX_CHARS}}}"
     return re.fullmatch(pattern, entry) is not None
+
+
+# A temporary file is named after its target, host and process: .TARGET.HOST.PID.RANDOM.tmp.
+# The next save of the same target removes the ones whose process is gone (killed mid-save), and
+# never those of a live writer.
+
+
+def host_name() -> str:
+    """This machine's name as it appears in the names of temporary files (letters, digits, -)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def writer_temporary_prefix(path: str) -> str:
+    """The start of the name of a temporary file this process writes before replacing ``path``."""
+    return f".{os.path.basename(path)}.{host_name()}.{os.getpid()}."
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OverflowError, ValueError):  # not a pid this library wrote: leave the file alone
+        return True
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_dead_writers_temporaries(path: str) -> None:
+    """Delete temporary files of earlier saves of ``path`` whose writer on this host died."""
+    folder = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(
+        rf"^\.{re.escape(os.path.basename(path))}\.{re.escape(host_name())}\.(\d+)\.[^.]+\.tmp$"
+    )
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return  # no folder yet: nothing stale
+    for entry in entries:
+        match = pattern.match(entry)
+        if match and not _process_alive(int(match.group(1))):
+            with contextlib.suppress(OSError):  # another saver removed it first
+                os.unlink(os.path.join(folder, entry))
 
 
 # -- locks -----------------------------------------------------------------------------------------

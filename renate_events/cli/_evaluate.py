@@ -15,7 +15,7 @@ from renate_events.cli._options import EvaluateOptions, check_options, load_conf
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
 from renate_events.cli._zoo import check_data_dir, scenario_tasks
 from renate_events.config import ConfigFile
-from renate_events.inference import forward, inference, model_device
+from renate_events.inference import EVAL_BATCH_SIZE, forward, inference, model_device, pinned
 from renate_events.methods import METHODS, method_of
 from renate_events.state_folder import read_manifest
 from renate_events.updater import dataset_tensors
@@ -87,12 +87,13 @@ def _metric_means(
     if not metrics:
         return {}
     device = model_device(model)
-    inputs, targets = data.tensors
+    inputs, targets = (pinned(tensor, device) for tensor in data.tensors)
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics}
-    with inference(model):
-        for start in range(0, len(targets), 256):
-            batch = targets[start : start + 256].to(device)
-            outputs = forward(model, inputs[start : start + 256].to(device))
+    with inference(model, outputs_leave_autograd=True):
+        for start in range(0, len(targets), EVAL_BATCH_SIZE):
+            stop = start + EVAL_BATCH_SIZE
+            batch = targets[start:stop].to(device, non_blocking=True)
+            outputs = forward(model, inputs[start:stop].to(device, non_blocking=True))
             for name, metric in metrics.items():
                 value = torch.as_tensor(metric(outputs, batch), device=device)
                 sums[name] += value.double().mean() * len(batch)

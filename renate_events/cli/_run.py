@@ -255,11 +255,11 @@ def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
 def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
     """The model's class-incremental predictions on every task's test set, one after another."""
     predicted = []
-    with inference(model):
+    with inference(model, outputs_leave_autograd=True):
         for task in tasks:
             for logits in outputs_in_batches(model, task.test.tensors[0]):
-                predicted.append(logits.argmax(dim=-1).cpu())
-    return torch.cat(predicted)
+                predicted.append(logits.argmax(dim=-1))
+    return torch.cat(predicted).cpu()  # one copy back (and sync), not one per batch
 
 
 def _run_classifier(plan: _Seed) -> torch.nn.Module:

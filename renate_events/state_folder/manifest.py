@@ -26,6 +26,7 @@ from renate_events.choices import (
 from renate_events.methods import LEARNERS, learner_arguments
 from renate_events.state_folder.errors import StateFolderError
 from trainer import validators as checks
+from trainer.checkpoint import json_too_deep
 from trainer.files import sha256_of_file
 
 __all__ = [
@@ -160,23 +161,6 @@ def _not_plain(path: str, kind: str) -> StateFolderError:
     )
 
 
-_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-
-
-def _too_deep(text: str) -> bool:
-    """Whether JSON ``text`` nests arrays and objects deeper than the manifest ever needs."""
-    depth = 0
-    for match in _JSON_TOKEN.finditer(text):
-        token = match.group()
-        if token in "[{":
-            depth += 1
-            if depth > _MAX_JSON_DEPTH:
-                return True
-        elif token in "]}":
-            depth -= 1
-    return False
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -196,7 +180,7 @@ def parse_manifest(path: str, raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise StateFolderError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    if _too_deep(text):
+    if json_too_deep(text, _MAX_JSON_DEPTH):
         raise StateFolderError(f"{path} nests deeper than {_MAX_JSON_DEPTH} levels")
     try:
         return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)

@@ -208,6 +208,28 @@ def test_evaluate_uses_eval_mode_no_grad_and_restores_modes() -> None:
     assert torch.is_grad_enabled()
 
 
+def test_evaluate_runs_in_inference_mode_except_for_lazy_parameters() -> None:
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Identity())
+    model.register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    task = _task([[1.0, 0.0]] * 3, [0] * 3, classes=(0, 1))
+    assert evaluate(model, [task]) == [1.0] and seen == [True]
+    assert not torch.is_inference_mode_enabled()
+    # a lazy layer created during evaluation must still be trainable afterwards
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(2))
+    evaluate(lazy, [task])
+    weight = lazy[0].weight
+    assert not weight.is_inference() and weight.requires_grad
+    lazy(torch.ones(1, 2)).sum().backward()
+    assert weight.grad is not None
+
+
+def test_evaluation_runs_large_batches_by_default() -> None:
+    model = OneHot(2)
+    evaluate(model, [_task([[1.0, 0.0]] * 1500, [0] * 1500, classes=(0, 1))])
+    assert len(model.calls) == 2  # EVAL_BATCH_SIZE = 1024 rows per forward
+
+
 def test_evaluate_restores_modes_after_an_error() -> None:
     model = OneHot(2).train()
     task = _task([[1.0, 0.0]], [0], classes=(0, 5))
@@ -336,3 +358,25 @@ def test_no_object_serialization_in_the_module() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(evaluation, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_test_data_is_pinned_only_for_a_gpu() -> None:
+    from renate_events.inference import pinned
+
+    data = torch.zeros(4, 2)
+    assert pinned(data, torch.device("cpu")) is data
+
+
+@pytest.mark.gpu
+def test_test_data_for_a_gpu_is_pinned_once_and_copied_without_waiting() -> None:
+    from renate_events.inference import inference, outputs_in_batches, pinned
+
+    data = torch.zeros(4, 2)
+    staged = pinned(data, torch.device("cuda"))
+    assert staged.is_pinned() and not data.is_pinned()
+    assert pinned(staged, torch.device("cuda")) is staged
+    model = torch.nn.Linear(2, 3).cuda()
+    with inference(model, outputs_leave_autograd=True):
+        outputs = torch.cat(list(outputs_in_batches(model, data, 3)))
+    assert outputs.device.type == "cuda"
+    torch.testing.assert_close(outputs.cpu(), model.cpu()(data).detach())

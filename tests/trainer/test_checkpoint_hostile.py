@@ -13,6 +13,7 @@ import pathlib
 import pickle
 import random
 import re
+import sys
 
 import pytest
 import safetensors
@@ -450,6 +451,39 @@ def test_malformed_trees_are_refused(tmp_path, valid, tree, fragment):
         del header["__metadata__"]["checksums"]
 
     _refused(tmp_path, _edit_header(valid, edit), fragment)
+
+
+@pytest.mark.parametrize("limit", [250, 100_000], ids=["low", "high"])
+def test_nesting_depth_is_counted_whatever_the_recursion_limit(tmp_path, valid, limit):
+    """The depth check is the reader's own count, not the interpreter's recursion limit (which
+    moved in Python 3.12): the same refusal at a lowered and a raised limit, before parsing."""
+
+    def deep(depth: int):
+        def edit(header):
+            header["__metadata__"]["tree"] = '{"a": ' + "[" * depth + "]" * depth + "}"
+            del header["__metadata__"]["checksums"]
+
+        return _edit_header(valid, edit)
+
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        for depth in (200, 800, 50_000):
+            _refused(tmp_path, deep(depth), "its tree is nested too deeply to read (over 200)")
+        header = b'{"x": ' + b"[" * 600 + b"]" * 600 + b"}"
+        raw = len(header).to_bytes(8, "little") + header
+        _refused(tmp_path, raw, "its header is nested too deeply to read (over 512)")
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def test_a_tree_too_deep_to_read_back_is_refused_when_written(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    write_checkpoint(path, {"a": _nested(198)})  # 199 lists in the tree's object: 200 levels
+    assert read_checkpoint(path)["a"] == _nested(198)
+    with pytest.raises(ValueError, match="cannot store the checkpoint: it nests over 200 levels"):
+        write_checkpoint(tmp_path / "deep.safetensors", {"a": _nested(199)})
+    assert not (tmp_path / "deep.safetensors").exists()
 
 
 @pytest.mark.parametrize(

@@ -316,7 +316,7 @@ def test_checkpoint_error_is_the_base_of_every_refusal():
 
 
 def _temporary(folder, target: str, pid: int) -> object:
-    from trainer.checkpoint import _host
+    from trainer.files import host_name as _host
 
     path = folder / f".{target}.{_host()}.{pid}.abc123.tmp"
     path.write_bytes(b"half a checkpoint")
@@ -412,7 +412,7 @@ def test_fit_and_load_from_a_checkpoint_hook_are_refused(tmp_path):
 
 
 def test_a_temporary_with_a_number_no_process_has_is_left_alone(tmp_path):
-    from trainer.checkpoint import _host
+    from trainer.files import host_name as _host
 
     odd = tmp_path / f".ckpt.safetensors.{_host()}.{10**20}.abc123.tmp"
     odd.write_bytes(b"x")

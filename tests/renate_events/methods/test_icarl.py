@@ -268,10 +268,14 @@ def _learner(model=None, **kwargs):
 
 
 def _means_of_buffer(learner):
+    """The class means of the buffer's exemplars, recomputed on the model's device (CUDA after a
+    fit where one is available) and returned on the CPU, where the learner keeps its own."""
     inputs, targets = learner.buffer.dataset().__getitems__(list(range(len(learner.buffer))))
+    device = next(learner.model.parameters()).device
     with torch.no_grad():
-        features = learner.model[1](learner.model[0](inputs))
-    return exemplar_means(features, targets, 4)
+        features = learner.model[1](learner.model[0](inputs.to(device)))
+    means, known = exemplar_means(features, targets, 4)
+    return means.cpu(), known.cpu()
 
 
 def test_learner_trains_end_to_end_and_keeps_the_class_means_of_its_exemplars():
@@ -282,6 +286,7 @@ def test_learner_trains_end_to_end_and_keeps_the_class_means_of_its_exemplars():
         learner.fit(task.train)
     assert learner.buffer.class_counts() == {0: 2, 1: 2, 2: 2, 3: 2}
     means, known = learner.class_means
+    assert means.device.type == known.device.type == "cpu"
     expected_means, expected_known = _means_of_buffer(learner)
     torch.testing.assert_close(means, expected_means)
     assert known.tolist() == expected_known.tolist() == [True] * 4
