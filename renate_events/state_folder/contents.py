@@ -65,7 +65,10 @@ def load_state(
         check_model_file(folder, manifest, learner.model)
         limits = load_limits(os.path.join(folder, MANIFEST), manifest)
         with mapped_files(learner, "snapshots_from", folder), loading_limits(learner, limits):
-            learner.load_checkpoint(os.path.join(folder, CHECKPOINT))
+            try:
+                learner.load_checkpoint(os.path.join(folder, CHECKPOINT))
+            except CheckpointError as exc:  # the trainer's checks of the tree; names the file
+                raise StateFolderError(str(exc)) from None
         return manifest, token
 
     return read_consistent(folder, timeout, load)
