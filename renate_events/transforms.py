@@ -211,6 +211,22 @@ class RandomCrop:
         default=None, kw_only=True, validator=_optional_generator
     )
     _grid: dict[Any, torch.Tensor] = attrs.field(init=False, factory=dict, repr=False)
+    _limits: dict[Any, torch.Tensor] = attrs.field(init=False, factory=dict, repr=False)
+
+    def _constants(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The largest offsets ``(2,)`` for images ``h x w`` and the ``arange(size)`` grid, on
+        ``device``, made once per device and image size: a tensor built from a Python list on a
+        GPU is a synchronising host-to-device copy, which would run twice per replay step."""
+        grid = self._grid.get(device)
+        if grid is None:
+            grid = self._grid[device] = torch.arange(self.size, device=device)
+        key = (device, h, w)
+        limits = self._limits.get(key)
+        if limits is None:
+            p, size = self.padding, self.size
+            limits = torch.tensor([h + 2 * p - size, w + 2 * p - size], device=device)
+            self._limits[key] = limits
+        return limits, grid
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         images = _check_images("RandomCrop", images)
@@ -225,13 +241,8 @@ class RandomCrop:
         offsets = _integers(
             max(h + 2 * p, w + 2 * p) - size + 1, (n, 2), images.device, self.generator
         )
-        offsets = torch.minimum(
-            offsets,
-            torch.tensor([h + 2 * p - size, w + 2 * p - size], device=images.device),
-        )
-        grid = self._grid.get(images.device)
-        if grid is None:
-            grid = self._grid[images.device] = torch.arange(size, device=images.device)
+        limits, grid = self._constants(images.device, h, w)
+        offsets = torch.minimum(offsets, limits)
         c, wp = images.shape[1], w + 2 * p
         rows = (offsets[:, 0:1] + grid).view(n, size, 1)
         cols = (offsets[:, 1:2] + grid).view(n, 1, size)
