@@ -1,8 +1,9 @@
 """The replay learners' steady-state steps on a CUDA device do not synchronise the host with it.
 
-ER and DER++ on an MLP with the buffer on the device, and the image path: DER++ on the reduced
+ER and DER++ on an MLP with the buffer on the device; the image path: DER++ on the reduced
 ResNet-18 with a ``uint8`` buffer on the device and the CIFAR preset as train and buffer
-transform. Each test warms up with one fit (the memory is full afterwards, so every later step
+transform; GDumb, which trains on batches gathered from its ``uint8`` buffer on the device. Each
+test warms up with one fit (a replay learner's memory is full afterwards, so every later step
 replays), then runs a second fit whose steady-state steps (from ``batch_start`` of its second
 batch to ``batch_end`` of its last: the step, transforms, memory sampling, losses, backward,
 optimizer step and the buffer's update) run under ``torch.cuda.set_sync_debug_mode("error")``.
@@ -19,9 +20,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
-from renate_events.memory import ReservoirBuffer
-from renate_events.methods import DarkExperienceReplayLearner, ExperienceReplayLearner
+from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
+from renate_events.methods import (
+    DarkExperienceReplayLearner,
+    ExperienceReplayLearner,
+    GDumbLearner,
+)
 from renate_events.models import resnet18
 from renate_events.transforms import cifar_test_transform, cifar_train_transform
 from trainer import TensorLoader, Trainer
@@ -129,6 +135,21 @@ def _derpp_images(precision: str) -> tuple[Any, tuple[torch.Tensor, torch.Tensor
     return learner, _images()
 
 
+def _gdumb(precision: str) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """A learner that trains from its buffer: batches of slots from a ``uint8`` GPU buffer."""
+    torch.manual_seed(0)
+    learner = GDumbLearner(
+        model=resnet18(num_classes=CLASSES, nf=8).cuda(),
+        memory_size=BATCH * BATCHES,
+        batch_size=BATCH,
+        buffer=GreedyClassBalancingBuffer(BATCH * BATCHES, seed=0, device="cuda"),
+        train_transform=cifar_train_transform(),
+        test_transform=cifar_test_transform(),
+        trainer=Trainer(max_epochs=1, device="cuda", precision=precision, nonfinite_loss="off"),
+    )
+    return learner, _images()
+
+
 LEARNERS: dict[str, Callable[[str], tuple[Any, tuple[torch.Tensor, torch.Tensor]]]] = {
     "er": _er,
     "der++": _derpp,
@@ -150,3 +171,14 @@ def test_replay_steps_do_not_synchronise(name, precision):
     with _sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
         learner.fit(loader)
     assert buffer.num_seen == seen + BATCH * BATCHES
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_steps_from_a_buffer_on_the_device_do_not_synchronise(precision):
+    """GDumb fills its buffer with the update's data before training, then trains on batches of
+    its slots: those batches are gathered on the device without a blocking copy or a read."""
+    learner, data = _gdumb(precision)
+    learner.fit(TensorDataset(*data))  # warm-up
+    with _sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
+        result = learner.fit(TensorDataset(*data))
+    assert result.steps == BATCHES
