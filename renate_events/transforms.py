@@ -13,7 +13,8 @@ Randomness: a transform built with ``generator=None`` (the default) draws from t
 on the batch's device, which the trainer seeds and checkpoints (CPU and every CUDA device), so a
 resumed run draws the same augmentations as an uninterrupted one. With a ``torch.Generator`` it
 draws from that generator instead (on the generator's device; the few random numbers are then
-copied to the batch's device) and its state is the caller's to keep.
+copied to the batch's device, through pinned memory from a CPU generator to a GPU, without
+waiting) and its state is the caller's to keep.
 
 ``benchmarks/transforms.py`` measures these against kornia's (see ``docs/images.rst``).
 """
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import validators
+from trainer.data import to_device
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -72,7 +74,7 @@ def _uniform(n: int, device: torch.device, generator: torch.Generator | None) ->
     """``n`` floats uniform in ``[0, 1)`` on ``device`` (from ``generator`` where given)."""
     if generator is None:
         return torch.rand(n, device=device)
-    return torch.rand(n, generator=generator, device=generator.device).to(device, non_blocking=True)
+    return to_device(torch.rand(n, generator=generator, device=generator.device), device, pin=True)
 
 
 def _integers(
@@ -81,7 +83,8 @@ def _integers(
     if generator is None:
         return torch.randint(0, high, shape, device=device)
     drawn = torch.randint(0, high, shape, generator=generator, device=generator.device)
-    return drawn.to(device, non_blocking=True)
+    # Through pinned memory: a copy from pageable memory waits for the GPU, non_blocking or not.
+    return to_device(drawn, device, pin=True)
 
 
 def _optional_generator(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
