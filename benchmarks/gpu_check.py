@@ -16,11 +16,21 @@ On one CUDA device, in under five minutes, prints:
    run under ``torch.cuda.set_sync_debug_mode("error")`` with ``Trainer(nonfinite_loss="off")``;
    the verdict names the operation that synchronised, if any (the ``RuntimeError`` is caught and
    printed with the frames of this project). Then the same steps, and a whole fit, under
-   ``"warn"``, to list every synchronising line with its count.
+   ``"warn"``, to list every synchronising line with its count. The scenarios: the trainer
+   alone, ER and DER++ on the MLP, the image workload of (4), and a canary that must
+   synchronise;
+4. the image workload of ``benchmarks/replay_step_resnet.py`` on the GPU: the DER++ step of the
+   reduced ResNet-18 (``resnet18(num_classes=10, nf=20)`` and ``nf=64``, new batch 32 + memory
+   batch 32, a ``ReservoirBuffer`` of 500 ``uint8`` slots on the GPU, the CIFAR preset of
+   :func:`~renate_events.transforms.cifar_train_transform` as train and buffer transform) of
+   ``DarkExperienceReplayLearner`` against a bare loop doing the same work on GPU tensors (two
+   forward passes, the preset on both batches, CE + beta CE + alpha MSE, SGD, a reservoir
+   update with a spare row), in fp32 and bf16-mixed.
 
 Every time is measured with ``torch.cuda.synchronize()`` before and after a run of steps. Without
 CUDA the script prints "no CUDA device; nothing to check" and exits 0; ``--cpu-dry-run`` runs the
-same code on the CPU with small sizes (the sync checks then check nothing) to try the script out.
+same code on the CPU with small sizes (the sync checks then check nothing, and say so) to try
+the script out.
 
 Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--cpu-dry-run]
 """
@@ -44,7 +54,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.memory import ReservoirBuffer
-from renate_events.methods import ExperienceReplayLearner
+from renate_events.methods import DarkExperienceReplayLearner, ExperienceReplayLearner
+from renate_events.models import resnet18
+from renate_events.transforms import cifar_train_transform
 from trainer import TensorLoader, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +64,10 @@ PROJECT_DIRS = tuple(os.path.join(ROOT, d) + os.sep for d in ("trainer", "renate
 SYNC_MESSAGE = "synchronizing CUDA operation"
 PRECISIONS = ("32", "bf16-mixed")
 FEATURES, CLASSES, BATCH, MEMORY = 784, 10, 128, 2_000
+IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS = 32, 500, (20, 64)
+"""The image workload: new and memory batch, ``uint8`` slots, ResNet-18 widths ``nf``."""
+ALPHA, BETA = 0.2, 0.5
+"""DER++'s weights of the logit MSE and the cross-entropy on memory (as replay_step_resnet.py)."""
 
 Run = Callable[[], Any]
 
@@ -254,6 +270,102 @@ def replay_section(device: torch.device, steps: int, rounds: int) -> None:
         )
 
 
+def make_images(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random CIFAR-shaped ``uint8`` images and labels."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (samples, 3, 32, 32)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    return images, torch.randint(0, CLASSES, (samples,), generator=generator)
+
+
+def make_image_learner(
+    nf: int, precision: str, device: torch.device, nonfinite: str = "off"
+) -> DarkExperienceReplayLearner:
+    """DER++ on the reduced ResNet-18, ``uint8`` buffer on ``device``, the CIFAR preset."""
+    torch.manual_seed(0)
+    model = resnet18(num_classes=CLASSES, nf=nf).to(device)
+    return DarkExperienceReplayLearner(
+        model=model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.03),
+        memory_size=IMAGE_MEMORY,
+        memory_batch_size=IMAGE_BATCH,
+        batch_size=IMAGE_BATCH,
+        alpha=ALPHA,
+        beta=BETA,
+        buffer=ReservoirBuffer(IMAGE_MEMORY, seed=0, device=device),
+        train_transform=cifar_train_transform(),
+        buffer_transform=cifar_train_transform(),
+        trainer=Trainer(max_epochs=1, device=device, precision=precision, nonfinite_loss=nonfinite),
+    )
+
+
+class BareImageDERpp:
+    """The DER++ image step by hand on GPU tensors: the work of the learner, without it."""
+
+    def __init__(
+        self, model: torch.nn.Module, loader: Iterable[Any], precision: str, device: torch.device
+    ) -> None:
+        self.model, self.loader, self.precision, self.device = model, loader, precision, device
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.03)
+        x, y = make_images(IMAGE_MEMORY + 1, seed=5)  # one spare row takes rejected samples
+        self.memory_x, self.memory_y = x.to(device), y.to(device)
+        self.memory_logits = torch.zeros(IMAGE_MEMORY + 1, CLASSES, device=device)
+        self.transform, self.buffer_transform = cifar_train_transform(), cifar_train_transform()
+        self.seen = IMAGE_MEMORY
+
+    def run(self) -> None:
+        model, optimizer, device, m = self.model, self.optimizer, self.device, IMAGE_MEMORY
+        for inputs, targets in self.loader:
+            optimizer.zero_grad(set_to_none=True)
+            idx = torch.randint(0, m, (IMAGE_BATCH,), device=device)
+            with autocast(self.precision, device):
+                outputs = model(self.transform(inputs))
+                memory = model(self.buffer_transform(self.memory_x[idx]))
+                loss = (
+                    F.cross_entropy(outputs, targets)
+                    + BETA * F.cross_entropy(memory, self.memory_y[idx])
+                    + ALPHA * F.mse_loss(memory, self.memory_logits[idx].to(memory.dtype))
+                ) / (1 + ALPHA + BETA)
+            loss.backward()
+            optimizer.step()
+            n, batch = self.seen, len(targets)
+            raw = torch.randint(0, 2**62, (batch,), device=device)
+            slots = raw % torch.arange(n + 1, n + batch + 1, device=device)
+            slots = torch.where(slots < m, slots, m)
+            self.memory_x.index_copy_(0, slots, inputs)
+            self.memory_y.index_copy_(0, slots, targets)
+            self.memory_logits.index_copy_(0, slots, outputs.detach().float())
+            self.seen = n + batch
+
+
+def image_section(device: torch.device, steps: int, rounds: int) -> None:
+    x, y = make_images(IMAGE_BATCH * steps, seed=6)
+    warm_x, warm_y = make_images(IMAGE_MEMORY + IMAGE_BATCH, seed=7)
+    loader = TensorLoader((x, y), batch_size=IMAGE_BATCH, shuffle=True, device=device)
+    warm = TensorLoader((warm_x, warm_y), batch_size=IMAGE_BATCH, shuffle=True, device=device)
+    for nf in IMAGE_WIDTHS:
+        for precision in PRECISIONS:
+            learner = make_image_learner(nf, precision, device)
+            learner.fit(warm)  # fills the memory
+            torch.manual_seed(0)
+            bare = BareImageDERpp(resnet18(num_classes=CLASSES, nf=nf).to(device), loader,
+                                  precision, device)  # fmt: skip
+            variants = {
+                "bare DER++ loop": bare.run,
+                "DarkExperienceReplayLearner + Trainer": lambda learner=learner: learner.fit(
+                    loader
+                ),
+            }
+            medians = measure(variants, steps, rounds, device)
+            print_times(
+                f"(4) DER++ image step, resnet18(nf={nf}), batch {IMAGE_BATCH} + memory batch "
+                f"{IMAGE_BATCH}, {IMAGE_MEMORY} uint8 slots on the GPU, CIFAR preset on both, "
+                f"precision {precision}",
+                medians,
+                "bare DER++ loop",
+            )
+
+
 # -- sync check ----------------------------------------------------------------------------------
 
 
@@ -353,6 +465,30 @@ def _learner_fit(
     return learner.trainer, lambda: learner.fit(loader)
 
 
+def _derpp_fit(device: torch.device, loader: Iterable[Any], precision: str) -> tuple[Trainer, Run]:
+    model = mlp(device)
+    learner = DarkExperienceReplayLearner(
+        model=model,
+        memory_size=MEMORY,
+        memory_batch_size=BATCH,
+        batch_size=BATCH,
+        alpha=ALPHA,
+        beta=BETA,
+        buffer=ReservoirBuffer(MEMORY, seed=0, device=device),
+        trainer=Trainer(max_epochs=1, device=device, precision=precision, nonfinite_loss="off"),
+    )
+    return learner.trainer, lambda: learner.fit(loader)
+
+
+def _image_fit(device: torch.device, batches: int, precision: str) -> tuple[Trainer, Run]:
+    learner = make_image_learner(IMAGE_WIDTHS[0], precision, device)
+    warm_x, warm_y = make_images(IMAGE_MEMORY, seed=8)
+    learner.fit(TensorLoader((warm_x, warm_y), batch_size=IMAGE_BATCH, device=device))  # full
+    x, y = make_images(IMAGE_BATCH * batches, seed=9)
+    loader = TensorLoader((x, y), batch_size=IMAGE_BATCH, shuffle=True, device=device)
+    return learner.trainer, lambda: learner.fit(loader)
+
+
 def sync_scenarios(device: torch.device, batches: int) -> dict[str, tuple[Trainer, Run]]:
     """Each scenario: the trainer to watch and a fit over ``batches`` batches."""
     x, y = make_data(BATCH * batches, seed=4)
@@ -366,6 +502,13 @@ def sync_scenarios(device: torch.device, batches: int) -> dict[str, tuple[Traine
         scenarios[f"ExperienceReplayLearner, GPU buffer, {precision}"] = _learner_fit(
             device, resident, precision
         )
+        scenarios[f"DarkExperienceReplayLearner, GPU buffer, {precision}"] = _derpp_fit(
+            device, resident, precision
+        )
+        scenarios[
+            f"DER++ image step, resnet18(nf={IMAGE_WIDTHS[0]}), uint8 GPU buffer, CIFAR preset, "
+            f"{precision}"
+        ] = _image_fit(device, batches, precision)
     scenarios["Trainer, pinned DataLoader, 32"] = _trainer_fit(device, pinned)
     # The default loss check reads one bool per step: this one must be reported.
     scenarios["canary: Trainer with the default nonfinite_loss='raise'"] = _trainer_fit(
@@ -380,10 +523,18 @@ def sync_section(device: torch.device, batches: int) -> None:
         "fit) under torch.cuda.set_sync_debug_mode('error'), nonfinite_loss='off' (the canary "
         "keeps the default 'raise' and must synchronise)"
     )
-    if device.type != "cuda":
-        print("  (CPU dry run: sync debugging needs CUDA; these verdicts check nothing)")
+    dry = device.type != "cuda"
+    if dry:
+        print(
+            "  CPU dry run: the sync census is skipped (torch.cuda.set_sync_debug_mode needs "
+            "CUDA); each scenario below only runs its fits"
+        )
     for name, (trainer, run) in sync_scenarios(device, batches).items():
         run()  # warm-up: optimizer state, memory filled, kernels and handles created
+        if dry:
+            run()
+            print(f"  {name}: ran {batches} steps, not checked (no CUDA)")
+            continue
         try:
             with sync_window(trainer, device, "error", last=batches - 1):
                 run()
@@ -426,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dry = device.type == "cpu"
     if dry:  # the code paths only: small batches keep the CPU's bf16 emulation short
-        global BATCH, MEMORY
+        global BATCH, MEMORY, IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS
         BATCH, MEMORY = 16, 200
+        IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS = 8, 32, (4,)
     steps = args.steps or (8 if dry else 200)
     rounds = args.rounds or (1 if dry else 5)
     if steps < 3 or rounds < 1:
@@ -438,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     loop_section(device, steps, rounds)
     replay_section(device, steps, rounds)
     sync_section(device, batches=max(3, min(steps, 20)))
+    image_section(device, min(steps, 100), rounds)  # ~20 ms a step: keeps the script in 5 min
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -13,7 +13,8 @@ Randomness: a transform built with ``generator=None`` (the default) draws from t
 on the batch's device, which the trainer seeds and checkpoints (CPU and every CUDA device), so a
 resumed run draws the same augmentations as an uninterrupted one. With a ``torch.Generator`` it
 draws from that generator instead (on the generator's device; the few random numbers are then
-copied to the batch's device) and its state is the caller's to keep.
+copied to the batch's device, through pinned memory from a CPU generator to a GPU, without
+waiting) and its state is the caller's to keep.
 
 ``benchmarks/transforms.py`` measures these against kornia's (see ``docs/images.rst``).
 """
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import validators
+from trainer.data import to_device
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -72,7 +74,7 @@ def _uniform(n: int, device: torch.device, generator: torch.Generator | None) ->
     """``n`` floats uniform in ``[0, 1)`` on ``device`` (from ``generator`` where given)."""
     if generator is None:
         return torch.rand(n, device=device)
-    return torch.rand(n, generator=generator, device=generator.device).to(device, non_blocking=True)
+    return to_device(torch.rand(n, generator=generator, device=generator.device), device, pin=True)
 
 
 def _integers(
@@ -81,7 +83,8 @@ def _integers(
     if generator is None:
         return torch.randint(0, high, shape, device=device)
     drawn = torch.randint(0, high, shape, generator=generator, device=generator.device)
-    return drawn.to(device, non_blocking=True)
+    # Through pinned memory: a copy from pageable memory waits for the GPU, non_blocking or not.
+    return to_device(drawn, device, pin=True)
 
 
 def _optional_generator(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -211,6 +214,22 @@ class RandomCrop:
         default=None, kw_only=True, validator=_optional_generator
     )
     _grid: dict[Any, torch.Tensor] = attrs.field(init=False, factory=dict, repr=False)
+    _limits: dict[Any, torch.Tensor] = attrs.field(init=False, factory=dict, repr=False)
+
+    def _constants(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The largest offsets ``(2,)`` for images ``h x w`` and the ``arange(size)`` grid, on
+        ``device``, made once per device and image size: a tensor built from a Python list on a
+        GPU is a synchronising host-to-device copy, which would run twice per replay step."""
+        grid = self._grid.get(device)
+        if grid is None:
+            grid = self._grid[device] = torch.arange(self.size, device=device)
+        key = (device, h, w)
+        limits = self._limits.get(key)
+        if limits is None:
+            p, size = self.padding, self.size
+            limits = torch.tensor([h + 2 * p - size, w + 2 * p - size], device=device)
+            self._limits[key] = limits
+        return limits, grid
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         images = _check_images("RandomCrop", images)
@@ -225,13 +244,8 @@ class RandomCrop:
         offsets = _integers(
             max(h + 2 * p, w + 2 * p) - size + 1, (n, 2), images.device, self.generator
         )
-        offsets = torch.minimum(
-            offsets,
-            torch.tensor([h + 2 * p - size, w + 2 * p - size], device=images.device),
-        )
-        grid = self._grid.get(images.device)
-        if grid is None:
-            grid = self._grid[images.device] = torch.arange(size, device=images.device)
+        limits, grid = self._constants(images.device, h, w)
+        offsets = torch.minimum(offsets, limits)
         c, wp = images.shape[1], w + 2 * p
         rows = (offsets[:, 0:1] + grid).view(n, size, 1)
         cols = (offsets[:, 1:2] + grid).view(n, 1, size)

@@ -132,7 +132,9 @@ class TensorLoader:
         n = int(self.tensors[0].shape[0])
         device = self.tensors[0].device
         if self.world_size == 1 and (self.seed is None or not self.shuffle):
-            return torch.randperm(n).to(device) if self.shuffle else torch.arange(n, device=device)
+            if self.shuffle:  # drawn on the CPU, copied to a GPU through pinned memory
+                return to_device(torch.randperm(n), device, pin=True)
+            return torch.arange(n, device=device)
         if self.shuffle:
             generator = torch.Generator().manual_seed((self.seed or 0) + self._epoch)
             order = torch.randperm(n, generator=generator)
@@ -140,10 +142,10 @@ class TensorLoader:
             order = torch.arange(n)
         padded = self.num_samples * self.world_size
         if self.world_size == 1:
-            return order.to(device)
+            return to_device(order, device, pin=True)
         if padded > n:
             order = torch.cat([order, order[: padded - n]])
-        return order[self.rank :: self.world_size].to(device)
+        return to_device(order[self.rank :: self.world_size], device, pin=True)
 
     def __iter__(self) -> Iterator[Sequence[torch.Tensor]]:
         n, size = self.num_samples, self.batch_size

@@ -160,7 +160,7 @@ class DataChecks:
         buffer = self.buffer
         if buffer is None or len(buffer) == 0:
             return
-        slot = torch.zeros(1, dtype=torch.int64, device=buffer.device)
+        slot = torch.zeros(1, dtype=torch.int64)  # checked on the CPU: no read from a GPU
         stored = {key: buffer.get_metadata(key, slot) for key in buffer.metadata_keys}
         buffer.check_batch(inputs[:1], targets[:1], stored)
 

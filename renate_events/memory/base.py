@@ -562,7 +562,7 @@ class BufferDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(buffer))
         ):
             raise IndexError(f"indices must be in [0, {len(buffer)})")
-        idx = idx.to(buffer.device)
+        idx = indices_to(idx, buffer.device)  # pinned and non-blocking: no wait per batch
         inputs = structure.unflatten(buffer._spec, [s.index_select(0, idx) for s in buffer._inputs])
         return inputs, cast(torch.Tensor, buffer._targets).index_select(0, idx)
 

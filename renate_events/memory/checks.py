@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from renate_events.memory import structure
+from renate_events.memory.draws import indices_to
 
 __all__ = [
     "as_device",
@@ -163,7 +164,8 @@ def validate_batch(
 def check_slots(idx: Any, device: torch.device, length: int) -> torch.Tensor:
     """``idx`` as int64 slots on ``device``, checked to be 1-D and in ``[0, length)``.
 
-    Reads the smallest and largest slot back from the device.
+    Slots on the CPU are checked there and then copied without waiting (pinned, non-blocking);
+    slots given on a GPU are checked by reading their smallest and largest back from it.
     """
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a 1-D integer tensor, got {type(idx).__name__}")
@@ -173,7 +175,7 @@ def check_slots(idx: Any, device: torch.device, length: int) -> torch.Tensor:
         )
     if idx.dtype == torch.bool:
         raise TypeError("idx must be a 1-D integer tensor of slots, got a bool tensor")
-    idx = idx.to(device=device, dtype=torch.int64)
+    idx = idx.to(dtype=torch.int64)
     if idx.numel() > 0:
         low, high = (int(v) for v in torch.aminmax(idx))
         if low < 0 or high >= length:
@@ -181,7 +183,7 @@ def check_slots(idx: Any, device: torch.device, length: int) -> torch.Tensor:
                 f"idx must hold slots in [0, {length}) (the filled part of the buffer), "
                 f"got values in [{low}, {high}]"
             )
-    return idx
+    return indices_to(idx, device)
 
 
 def check_metadata_values(key: str, values: Any, rows: int, stored: torch.Tensor) -> None:

@@ -68,6 +68,10 @@ def test_gpu_check_dry_run_runs_every_section():
         "ExperienceReplayLearner, GPU buffer",
         "(3) sync check",
         "canary: Trainer with the default nonfinite_loss='raise'",
+        "DarkExperienceReplayLearner, GPU buffer",
+        "DER++ image step, resnet18(nf=4), uint8 GPU buffer, CIFAR preset, bf16-mixed",
+        "the sync census is skipped",
+        "(4) DER++ image step",
     ):
         assert line in out, line
     assert "Traceback" not in out

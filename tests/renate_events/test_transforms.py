@@ -61,6 +61,35 @@ def test_random_crop_takes_a_window_of_the_zero_padded_image():
     assert len(offsets) > 3  # one offset per image, not one per batch
 
 
+def test_random_crop_builds_its_constants_once_per_device_and_size(monkeypatch):
+    """A tensor built from a Python list on a GPU synchronises with the host: RandomCrop makes
+    its offset limits once per device and image size, not at every call (it runs twice per
+    replay step)."""
+    crop = RandomCrop(8, padding=2, generator=torch.Generator().manual_seed(3))
+    wide = torch.randint(0, 256, (4, 3, 6, 10), dtype=torch.uint8)
+    crop(_images(4)), crop(wide)  # the first call for each size makes its constants
+    built = []
+    real = torch.tensor
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        built.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    for _ in range(3):
+        crop(_images(4))
+        out = crop(wide)
+    assert built == []
+    padded = F.pad(wide, (2, 2, 2, 2))  # a non-square image keeps its own limits: 4 rows, 8 cols
+    assert out.shape == (4, 3, 8, 8)
+    for i in range(4):
+        assert any(
+            torch.equal(out[i], padded[i, :, r : r + 8, c : c + 8])
+            for r in range(3)
+            for c in range(7)
+        )
+
+
 def test_random_crop_without_padding_at_full_size_is_the_identity():
     images = _images(4)
     assert torch.equal(RandomCrop(8, padding=0)(images), images)
