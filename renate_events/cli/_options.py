@@ -30,6 +30,7 @@ from trainer import validators as checks
 
 __all__ = [
     "EvaluateOptions",
+    "PredictOptions",
     "RunOptions",
     "ShiftOptions",
     "UpdateOptions",
@@ -239,6 +240,7 @@ RunOptions: Any = option_schema("run")
 UpdateOptions: Any = option_schema("update")
 EvaluateOptions: Any = option_schema("evaluate")
 ShiftOptions: Any = option_schema("shift")
+PredictOptions: Any = option_schema("predict")
 
 
 def check_options(

@@ -15,6 +15,7 @@ from renate_events.cli._options import (
     hyperparameter_epilog,
     read_config,
 )
+from renate_events.cli._predict import predict
 from renate_events.cli._run import run
 from renate_events.cli._shift import shift
 from renate_events.cli._update import update
@@ -28,11 +29,15 @@ COMMAND_FUNCTIONS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = 
     "run": run,
     "update": update,
     "evaluate": evaluate,
+    "predict": predict,
     "shift": shift,
 }
 """Each command's function: ``(values, from_file) -> exit status``."""
 
-_EXCLUSIVE = {"evaluate": ("data", "scenario", "config_file")}
+_EXCLUSIVE = {
+    "evaluate": ("data", "scenario", "config_file"),
+    "predict": ("data", "config_file"),
+}
 """Per command, the settings of which exactly one must be given."""
 
 
@@ -71,6 +76,7 @@ def examples() -> str:
         f"  renate-events update --input-state runs/{other}/state/seed-0 --data new.npz \\\n"
         f"      --output-state runs/{other}/next\n"
         f"  renate-events evaluate --state runs/{other}/next --scenario split-digits\n"
+        f"  renate-events predict --state runs/{other}/next --data new.npz --output labels.csv\n"
         "  renate-events shift --reference old.npz --query new.npz       # has the data shifted?"
     )
 
@@ -138,6 +144,22 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     )
 
 
+def _predict_parser(sub: Any) -> argparse.ArgumentParser:
+    return _subparser(
+        sub,
+        "predict",
+        "examples:\n  renate-events predict --state next-state --data new.npz\n"
+        "  renate-events predict --state next-state --data new.npz --output labels.csv "
+        "--probabilities\n"
+        "  renate-events predict --state s1 --config-file my_config.py --chunk-id 2 "
+        "--output s1-chunk2.npz",
+        help="predict labels (and class probabilities) with a state folder's model",
+        description="Predict with a state folder's model through its recorded test transform and "
+        "its method's own classifier; print a summary and, with --output, write a new .npz or "
+        ".csv file.",
+    )
+
+
 def _shift_parser(sub: Any) -> argparse.ArgumentParser:
     return _subparser(
         sub,
@@ -170,6 +192,7 @@ def build_parser() -> Parser:
         "run": _run_parser(sub),
         "update": _update_parser(sub),
         "evaluate": _evaluate_parser(sub),
+        "predict": _predict_parser(sub),
         "shift": _shift_parser(sub),
     }
     return parser
