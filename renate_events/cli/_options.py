@@ -30,6 +30,7 @@ from trainer import validators as checks
 
 __all__ = [
     "EvaluateOptions",
+    "InfoOptions",
     "PredictOptions",
     "RunOptions",
     "ShiftOptions",
@@ -241,6 +242,7 @@ UpdateOptions: Any = option_schema("update")
 EvaluateOptions: Any = option_schema("evaluate")
 ShiftOptions: Any = option_schema("shift")
 PredictOptions: Any = option_schema("predict")
+InfoOptions: Any = option_schema("info")
 
 
 def check_options(

@@ -9,6 +9,7 @@ from typing import Any
 
 from renate_events.cli._errors import UsageError
 from renate_events.cli._evaluate import evaluate
+from renate_events.cli._info import info
 from renate_events.cli._options import (
     add_hyperparameter_options,
     add_setting,
@@ -30,6 +31,7 @@ COMMAND_FUNCTIONS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = 
     "update": update,
     "evaluate": evaluate,
     "predict": predict,
+    "info": info,
     "shift": shift,
 }
 """Each command's function: ``(values, from_file) -> exit status``."""
@@ -77,6 +79,7 @@ def examples() -> str:
         f"      --output-state runs/{other}/next\n"
         f"  renate-events evaluate --state runs/{other}/next --scenario split-digits\n"
         f"  renate-events predict --state runs/{other}/next --data new.npz --output labels.csv\n"
+        f"  renate-events info --state runs/{other}/next --json\n"
         "  renate-events shift --reference old.npz --query new.npz       # has the data shifted?"
     )
 
@@ -160,6 +163,19 @@ def _predict_parser(sub: Any) -> argparse.ArgumentParser:
     )
 
 
+def _info_parser(sub: Any) -> argparse.ArgumentParser:
+    return _subparser(
+        sub,
+        "info",
+        "examples:\n  renate-events info --state next-state\n"
+        "  renate-events info --state next-state --json",
+        help="describe a state folder: learner, model, buffer, updates, formats",
+        description="Describe a state folder from its manifest and checkpoint (nothing of the "
+        "model's code is run): the learner and its hyperparameters, the model's architecture "
+        "and parameter count, the buffer, every update and the formats.",
+    )
+
+
 def _shift_parser(sub: Any) -> argparse.ArgumentParser:
     return _subparser(
         sub,
@@ -193,6 +209,7 @@ def build_parser() -> Parser:
         "update": _update_parser(sub),
         "evaluate": _evaluate_parser(sub),
         "predict": _predict_parser(sub),
+        "info": _info_parser(sub),
         "shift": _shift_parser(sub),
     }
     return parser

@@ -403,6 +403,7 @@ _ALL = (
                 "required": False,
             },
             "predict": {"help": "the state folder whose model predicts"},
+            "info": {"help": "the state folder to describe"},
         },
     ),
     Setting(
@@ -429,6 +430,8 @@ _ALL = (
         "also write each class's probability (the softmax of the classifier's outputs)",
         kind="flag",
     ),
+    # info
+    Setting("json", "print one JSON object (its keys are documented) instead of text", kind="flag"),
     # shift
     Setting("reference", ".npz or .safetensors with 'inputs'", required=True),
     Setting("query", ".npz or .safetensors with 'inputs'", required=True),
@@ -511,6 +514,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         *("state", "data", "config_file", "chunk_id", "output", "probabilities", "seed"),
         *("accept_config_change", "scratch_dir"),
     ),
+    "info": ("state", "json"),
     "shift": (
         *("reference", "query", "detector", "level", "num_permutations", "max_samples", "seed"),
         *("state", "config_file", "accept_config_change", "feature_module"),
