@@ -112,3 +112,53 @@ def test_bad_inputs_are_one_line_and_write_nothing(state, data, tmp_path, capsys
     assert "--config-file needs --chunk-id" in err
     err = _bad(tmp_path, capsys, "--state", str(state), "--data", path, "--chunk-id", "1")
     assert "--chunk-id needs --config-file" in err
+
+
+CONFIG = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model_fn():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _chunk(chunk_id, seed, samples):
+    if chunk_id > 1:
+        raise ValueError(f"there is no chunk {chunk_id}")
+    generator = torch.Generator().manual_seed(1000 * chunk_id + seed)
+    inputs = torch.randn(samples, 8, generator=generator)
+    return TensorDataset(inputs, (inputs[:, 0] > 0).long() + 2 * (inputs[:, 1] > 0).long())
+
+
+def data_fn(chunk_id, seed):
+    return _chunk(chunk_id, seed, 64), _chunk(chunk_id, seed + 1, 16)
+
+
+def test_data_fn(chunk_id, seed):
+    return _chunk(chunk_id, seed + 2, 24)
+"""
+
+
+def test_a_config_files_chunk_and_a_chunk_it_lacks(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    state = str(tmp_path / "s0")
+    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
+    assert main([*update, "--no-progress"]) == 0
+    output = tmp_path / "chunk1.npz"
+    args = ["predict", "--state", state, "--config-file", str(config)]
+    assert main([*args, "--chunk-id", "1", "--output", str(output)]) == 0
+    assert "24 samples, logits classifier" in capsys.readouterr().out
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    generator = torch.Generator().manual_seed(1000 + 2)
+    with torch.no_grad():
+        expected = model(torch.randn(24, 8, generator=generator)).argmax(dim=1)
+    with np.load(output) as saved:
+        assert saved["labels"].tolist() == expected.tolist()
+    missing = str(tmp_path / "chunk5.npz")
+    err = _bad(tmp_path, capsys, *args[1:], "--chunk-id", "5", "--output", missing)
+    assert "there is no chunk 5" in err
