@@ -1,14 +1,15 @@
-"""The ``renate-events`` command: run a scenario, update a state folder, evaluate one, test for
-shift (``renate-events --help`` prints examples of each).
+"""The ``renate-events`` command: run a scenario, update a state folder, evaluate one, predict
+with one, describe one, test for shift (``renate-events --help`` prints examples of each).
 
 Every option is a setting of :mod:`renate_events.settings` and is checked against the command's
 typed schema before anything is trained or written; a bad option, file or state folder is one
 line on standard error and exit status 2.
 
 The package holds one module per command (``_run``, ``_update`` with its search ``_tuning``,
-``_evaluate``, ``_shift``) over the shared parts: the parser and the dispatch (``_parser``), the
-options and their files (``_options``), data files (``_data_files``), the command line's models
-(``_zoo``), the updater of a command (``_updaters``) and the results of a run (``_results``).
+``_evaluate``, ``_predict``, ``_info``, ``_shift``) over the shared parts: the parser and the
+dispatch (``_parser``), the options and their files (``_options``), data files
+(``_data_files``), the command line's models (``_zoo``), the updater of a command
+(``_updaters``) and the results of a run (``_results``).
 
 Example:
     >>> import contextlib, io

@@ -13,7 +13,7 @@ import torch
 
 from renate_events.cli._errors import UsageError
 
-__all__ = ["fitted", "load_data_file", "shift_inputs"]
+__all__ = ["fitted", "fitted_inputs", "load_data_file", "load_inputs_file", "shift_inputs"]
 
 
 def load_data_file(path: str) -> torch.utils.data.TensorDataset:
@@ -30,6 +30,15 @@ def load_data_file(path: str) -> torch.utils.data.TensorDataset:
             f"and {len(targets)}"
         )
     return torch.utils.data.TensorDataset(inputs, targets)
+
+
+def load_inputs_file(path: str) -> torch.Tensor:
+    """The ``inputs`` (N, ...) of a .safetensors or .npz file (``targets``, if any, unused): what
+    ``predict`` predicts on."""
+    tensors = _read_tensors("--data", path)
+    if "inputs" not in tensors:
+        raise UsageError(f"--data {path} lacks 'inputs'; it holds {sorted(tensors)}")
+    return _inputs(path, tensors["inputs"])
 
 
 def shift_inputs(flag: str, path: str) -> torch.utils.data.TensorDataset:
@@ -133,9 +142,7 @@ def fitted(
             f"{what}: 'inputs' and 'targets' must have the same length, got {len(inputs)} "
             f"and {len(targets)}"
         )
-    inputs = (
-        _mlp_inputs(what, inputs, spec) if spec["kind"] == "mlp" else _images(what, inputs, spec)
-    )
+    inputs = fitted_inputs(what, inputs, spec)
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= spec["classes"]:
         raise UsageError(
@@ -143,6 +150,13 @@ def fitted(
             f"{spec['classes']} classes (labels 0..{spec['classes'] - 1})"
         )
     return torch.utils.data.TensorDataset(inputs, targets)
+
+
+def fitted_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:
+    """The inputs as the model of ``spec`` takes them (see :func:`fitted`)."""
+    if spec["kind"] == "mlp":
+        return _mlp_inputs(what, inputs, spec)
+    return _images(what, inputs, spec)
 
 
 def _mlp_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:

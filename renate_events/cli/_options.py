@@ -30,6 +30,8 @@ from trainer import validators as checks
 
 __all__ = [
     "EvaluateOptions",
+    "InfoOptions",
+    "PredictOptions",
     "RunOptions",
     "ShiftOptions",
     "UpdateOptions",
@@ -239,6 +241,8 @@ RunOptions: Any = option_schema("run")
 UpdateOptions: Any = option_schema("update")
 EvaluateOptions: Any = option_schema("evaluate")
 ShiftOptions: Any = option_schema("shift")
+PredictOptions: Any = option_schema("predict")
+InfoOptions: Any = option_schema("info")
 
 
 def check_options(

@@ -9,12 +9,14 @@ from typing import Any
 
 from renate_events.cli._errors import UsageError
 from renate_events.cli._evaluate import evaluate
+from renate_events.cli._info import info
 from renate_events.cli._options import (
     add_hyperparameter_options,
     add_setting,
     hyperparameter_epilog,
     read_config,
 )
+from renate_events.cli._predict import predict
 from renate_events.cli._run import run
 from renate_events.cli._shift import shift
 from renate_events.cli._update import update
@@ -28,11 +30,16 @@ COMMAND_FUNCTIONS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = 
     "run": run,
     "update": update,
     "evaluate": evaluate,
+    "predict": predict,
+    "info": info,
     "shift": shift,
 }
 """Each command's function: ``(values, from_file) -> exit status``."""
 
-_EXCLUSIVE = {"evaluate": ("data", "scenario", "config_file")}
+_EXCLUSIVE = {
+    "evaluate": ("data", "scenario", "config_file"),
+    "predict": ("data", "config_file"),
+}
 """Per command, the settings of which exactly one must be given."""
 
 
@@ -71,6 +78,8 @@ def examples() -> str:
         f"  renate-events update --input-state runs/{other}/state/seed-0 --data new.npz \\\n"
         f"      --output-state runs/{other}/next\n"
         f"  renate-events evaluate --state runs/{other}/next --scenario split-digits\n"
+        f"  renate-events predict --state runs/{other}/next --data new.npz --output labels.csv\n"
+        f"  renate-events info --state runs/{other}/next --json\n"
         "  renate-events shift --reference old.npz --query new.npz       # has the data shifted?"
     )
 
@@ -138,6 +147,35 @@ def _evaluate_parser(sub: Any) -> argparse.ArgumentParser:
     )
 
 
+def _predict_parser(sub: Any) -> argparse.ArgumentParser:
+    return _subparser(
+        sub,
+        "predict",
+        "examples:\n  renate-events predict --state next-state --data new.npz\n"
+        "  renate-events predict --state next-state --data new.npz --output labels.csv "
+        "--probabilities\n"
+        "  renate-events predict --state s1 --config-file my_config.py --chunk-id 2 "
+        "--output s1-chunk2.npz",
+        help="predict labels (and class probabilities) with a state folder's model",
+        description="Predict with a state folder's model through its recorded test transform and "
+        "its method's own classifier; print a summary and, with --output, write a new .npz or "
+        ".csv file.",
+    )
+
+
+def _info_parser(sub: Any) -> argparse.ArgumentParser:
+    return _subparser(
+        sub,
+        "info",
+        "examples:\n  renate-events info --state next-state\n"
+        "  renate-events info --state next-state --json",
+        help="describe a state folder: learner, model, buffer, updates, formats",
+        description="Describe a state folder from its manifest and checkpoint (nothing of the "
+        "model's code is run): the learner and its hyperparameters, the model's architecture "
+        "and parameter count, the buffer, every update and the formats.",
+    )
+
+
 def _shift_parser(sub: Any) -> argparse.ArgumentParser:
     return _subparser(
         sub,
@@ -170,6 +208,8 @@ def build_parser() -> Parser:
         "run": _run_parser(sub),
         "update": _update_parser(sub),
         "evaluate": _evaluate_parser(sub),
+        "predict": _predict_parser(sub),
+        "info": _info_parser(sub),
         "shift": _shift_parser(sub),
     }
     return parser

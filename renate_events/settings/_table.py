@@ -76,6 +76,7 @@ _ALL = (
         variants={
             "evaluate": {"help": "evaluate on test_data_fn's chunks (see --chunk-ids)"},
             "shift": {"help": "the config file the --state was written with"},
+            "predict": {"help": "the config file the --state was written with (see --chunk-id)"},
         },
     ),
     # run: the scenario and the model
@@ -155,7 +156,8 @@ _ALL = (
         variants={
             "update": {
                 "help": ".safetensors or .npz file with 'inputs' and 'targets' (no --config-file)"
-            }
+            },
+            "predict": {"help": ".safetensors or .npz file with 'inputs' ('targets' not needed)"},
         },
     ),
     Setting(
@@ -169,6 +171,12 @@ _ALL = (
         "updates, so 0 for a first update)",
         kind="int",
         low=0,
+        variants={
+            "predict": {
+                "help": "with --config-file: the chunk to predict on (test_data_fn's data, else "
+                "data_fn's validation data)"
+            }
+        },
     ),
     Setting(
         "seed",
@@ -180,6 +188,7 @@ _ALL = (
         maps_onto=(_LEARNER + "seed", _MMD + "seed"),
         variants={
             "evaluate": {"help": "seed of the split / of data_fn"},
+            "predict": {"help": "the seed given to data_fn / test_data_fn"},
             "shift": {"help": "seed of the permutations"},
         },
     ),
@@ -199,6 +208,10 @@ _ALL = (
                 "help": "evaluate a state folder written with another version of the config file"
             },
             "shift": {"help": "use a --state written with another version of the config file"},
+            "predict": {
+                "help": "predict with a state folder written with another version of the config "
+                "file"
+            },
         },
     ),
     Setting("task_id", "a name for this update"),
@@ -388,7 +401,9 @@ _ALL = (
             "shift": {
                 "help": "test on the features of this state folder's model",
                 "required": False,
-            }
+            },
+            "predict": {"help": "the state folder whose model predicts"},
+            "info": {"help": "the state folder to describe"},
         },
     ),
     Setting(
@@ -404,6 +419,19 @@ _ALL = (
         default="logits",
         choices=CLASSIFIERS,
     ),
+    # predict
+    Setting(
+        "output",
+        "the file to write: .npz (arrays labels, probabilities) or .csv (label, then one column "
+        "per class probability); never an existing file (default: print a summary only)",
+    ),
+    Setting(
+        "probabilities",
+        "also write each class's probability (the softmax of the classifier's outputs)",
+        kind="flag",
+    ),
+    # info
+    Setting("json", "print one JSON object (its keys are documented) instead of text", kind="flag"),
     # shift
     Setting("reference", ".npz or .safetensors with 'inputs'", required=True),
     Setting("query", ".npz or .safetensors with 'inputs'", required=True),
@@ -482,6 +510,11 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
         *("classifier", "accept_config_change", "scratch_dir"),
     ),
+    "predict": (
+        *("state", "data", "config_file", "chunk_id", "output", "probabilities", "seed"),
+        *("accept_config_change", "scratch_dir"),
+    ),
+    "info": ("state", "json"),
     "shift": (
         *("reference", "query", "detector", "level", "num_permutations", "max_samples", "seed"),
         *("state", "config_file", "accept_config_change", "feature_module"),

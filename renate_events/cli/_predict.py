@@ -1,0 +1,177 @@
+"""``renate-events predict``: a state folder's predictions on new inputs, through its recorded
+test transform and with its method's own classifier (the nearest mean of exemplars where the
+method's spec names it), printed as a summary and written, when asked, as .npz or .csv."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy
+import torch
+
+from renate_events.cli._data_files import fitted_inputs, load_inputs_file
+from renate_events.cli._errors import UsageError
+from renate_events.cli._evaluate import (
+    chunk_test_data,
+    evaluated,
+    for_evaluation,
+    method_classifier,
+)
+from renate_events.cli._options import PredictOptions, check_options, load_config_file
+from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
+from renate_events.inference import inference, outputs_in_batches
+from renate_events.methods import method_of
+from renate_events.state_folder import read_manifest
+from trainer.files import fsync_file, fsync_folder, temporary_sibling
+
+__all__ = ["OUTPUT_SUFFIXES", "predict", "write_predictions"]
+
+OUTPUT_SUFFIXES = (".npz", ".csv")
+"""The file formats ``--output`` may name, by suffix."""
+
+
+def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
+    """``renate-events predict``: the labels (and class probabilities) a state folder's model
+    gives to ``--data``'s inputs or to a config file's chunk."""
+    options = check_options(PredictOptions, values)
+    _check_output(options.output)  # before anything is computed
+    if options.config_file is not None:
+        model, classifier, inputs = _config_inputs(options)
+    else:
+        if options.chunk_id is not None:
+            raise UsageError("--chunk-id needs --config-file")
+        inputs = load_inputs_file(options.data)
+        updater, spec = updater_from_folder(options.state, **scratch_setting(options))
+        inputs = fitted_inputs(f"--data {options.data}", inputs, spec)
+        classifier = _classifier_name(updater.learner_instance)
+        model = evaluated(
+            method_classifier(updater.learner_instance, classifier, options.state),
+            updater.transforms,
+        )
+    outputs = _outputs(model, inputs, options.state)
+    labels = outputs.argmax(dim=1)
+    probabilities = torch.softmax(outputs.float(), dim=1) if options.probabilities else None
+    counts = torch.bincount(labels, minlength=outputs.shape[1]).tolist()
+    shown = ", ".join(f"{label}: {count}" for label, count in enumerate(counts) if count)
+    print(f"{len(labels)} samples, {classifier} classifier of {options.state}")
+    print(f"predicted labels (label: samples): {shown}")
+    if options.output is not None:
+        write_predictions(options.output, labels, probabilities)
+        print(f"written to {options.output}")
+    return 0
+
+
+def _classifier_name(learner: Any) -> str:
+    """The method's own classifier: ``nme`` where its spec says so, else ``logits``."""
+    spec = method_of(learner)
+    return "logits" if spec is None else spec.classifier
+
+
+def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
+    """The model through the config file's test transform, the classifier's name and the
+    chunk's test inputs."""
+    if options.chunk_id is None:
+        raise UsageError("--config-file needs --chunk-id N: the chunk to predict on")
+    config = load_config_file(options.config_file)
+    manifest = read_manifest(options.state)
+    updater = config_updater(
+        config,
+        {},
+        {},
+        manifest,
+        input_state_folder=options.state,
+        validation_memory=manifest.get("validation_memory", False),
+        accept_config_change=options.accept_config_change,
+        **scratch_setting(options),
+    )
+    chunk = options.chunk_id
+    val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
+    test = chunk_test_data(config, chunk, options.seed, val)
+    classifier = _classifier_name(updater.learner_instance)
+    model = for_evaluation(
+        method_classifier(updater.learner_instance, classifier, options.state), config
+    )
+    return model, classifier, test.tensors[0]
+
+
+def _outputs(model: torch.nn.Module, inputs: Any, state: str) -> torch.Tensor:
+    """The classifier's outputs on every input, one (N, classes) tensor on the CPU."""
+    with inference(model, outputs_leave_autograd=True):
+        outputs = torch.cat([chunk.cpu() for chunk in outputs_in_batches(model, inputs)])
+    if outputs.dim() != 2 or len(outputs) != len(inputs):
+        raise UsageError(
+            f"{state}: the model gives outputs of the shape {tuple(outputs.shape)} for "
+            f"{len(inputs)} samples; predict needs one row of class scores per sample"
+        )
+    return outputs
+
+
+def _check_output(path: str | None) -> None:
+    """Refuse an ``--output`` that is not new, not .npz or .csv, or not in a writable folder."""
+    if path is None:
+        return
+    if not path.endswith(OUTPUT_SUFFIXES):
+        raise UsageError(f"--output {path}: expected a .npz or .csv file")
+    if os.path.lexists(path):
+        raise UsageError(f"--output {path} exists; predict never writes over a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--output {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {path}: the folder {folder} may not be written")
+
+
+def write_predictions(
+    path: str, labels: torch.Tensor, probabilities: torch.Tensor | None = None
+) -> None:
+    """Write ``labels`` (and ``probabilities``, one column per class) to ``path``, a new .npz
+    (arrays ``labels``, ``probabilities``) or .csv file (a header row, then one row per sample:
+    the label, then each class's probability): complete or not at all, never over a file.
+
+    Raises:
+        UsageError: ``path`` exists (also when it appeared meanwhile) or cannot be written.
+    """
+    _check_output(path)
+    temporary = temporary_sibling(path, "tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            _write(handle, path, labels.numpy(), probabilities)
+        fsync_file(temporary)
+        _publish(temporary, path)
+    except OSError as exc:
+        raise UsageError(f"--output {path}: cannot write it: {exc.strerror or exc}") from None
+    finally:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+    fsync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def _write(handle: Any, path: str, labels: Any, probabilities: torch.Tensor | None) -> None:
+    if path.endswith(".npz"):
+        arrays = {"labels": labels}
+        if probabilities is not None:
+            arrays["probabilities"] = probabilities.numpy()
+        numpy.savez(handle, **arrays)
+        return
+    header = ["label"]
+    table = labels.reshape(-1, 1).astype(numpy.float64)
+    formats = ["%d"]
+    if probabilities is not None:
+        header += [f"p{k}" for k in range(probabilities.shape[1])]
+        table = numpy.hstack([table, probabilities.double().numpy()])
+        formats += ["%.6g"] * probabilities.shape[1]
+    numpy.savetxt(handle, table, fmt=formats, delimiter=",", header=",".join(header), comments="")
+
+
+def _publish(temporary: str, path: str) -> None:
+    """Give the written file its name, unless a file appeared there meanwhile (a hard link
+    never replaces one; where links are not supported, a rename after a last check)."""
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise UsageError(f"--output {path} exists; predict never writes over a file") from None
+    except OSError:  # a file system without hard links
+        if os.path.lexists(path):
+            raise UsageError(f"--output {path} exists; predict never writes over a file") from None
+        os.replace(temporary, path)
