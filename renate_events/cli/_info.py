@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from renate_events.cli._options import InfoOptions, check_options
-from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.state_folder import StateFolderError, folder_key
+from renate_events.state_folder.locks import read_consistent
+from renate_events.state_folder.manifest import CHECKPOINT, read_verified
 from trainer.checkpoint import read_checkpoint
 
 __all__ = ["INFO_KEYS", "info", "state_info"]
@@ -38,11 +41,7 @@ def state_info(folder: str) -> dict[str, Any]:
             checksums).
         CheckpointError: The learner's checkpoint cannot be read.
     """
-    manifest = read_manifest(folder)
-    try:
-        tree = read_checkpoint(f"{folder}/learner.safetensors")
-    except FileNotFoundError:  # removed since the manifest was read
-        raise StateFolderError(f"{folder}: learner.safetensors is missing") from None
+    manifest, tree = read_consistent(folder_key(folder), 60.0, lambda: _read(folder))
     shapes = [shape for shape, _ in manifest["model"].values()]
     config = manifest.get("config")
     return {
@@ -64,6 +63,16 @@ def state_info(folder: str) -> dict[str, Any]:
         "updates": [_update(record) for record in manifest.get("history", [])],
         "config": None if config is None else {"file": config["file"], "sha256": config["sha256"]},
     }
+
+
+def _read(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest and the learner's checkpoint tree of one version of the folder (run by
+    ``read_consistent``, which reads again if a writer swapped the folder in between)."""
+    manifest = read_verified(folder)[0]
+    try:
+        return manifest, read_checkpoint(os.path.join(folder, CHECKPOINT))
+    except FileNotFoundError:  # removed since the manifest was read
+        raise StateFolderError(f"{folder}: {CHECKPOINT} is missing") from None
 
 
 def _buffer(manifest: Mapping[str, Any], tree: Mapping[str, Any]) -> dict[str, Any] | None:
