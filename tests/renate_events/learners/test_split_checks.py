@@ -169,3 +169,12 @@ def test_cli_update_with_a_validation_label_out_of_range(tmp_path, capsys):
         capsys, [*argv, "--no-progress", "--output-state", str(out)], "validation labels", "[0, 9]"
     )
     assert not out.exists()
+
+
+def test_model_updater_names_the_missing_test_transform_of_uint8_images():
+    updater = _updater(transforms={"train_transform": scaled, "buffer_transform": scaled})
+    weights = parameters_of(updater.learner_instance.model)
+    with pytest.raises(UpdateInputError, match=r"the validation data: .*define test_transform"):
+        updater.update(_images(), _images(8, 1))
+    assert_same_tensors(parameters_of(updater.learner_instance.model), weights)
+    assert updater.learner_instance.buffer.num_seen == 0
