@@ -25,11 +25,19 @@ from renate_events.learners.checks import DataChecks, check_task_ids
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling, buffer_metadata
 from renate_events.learners.loaded import LoadLimits, loading_limits
 from renate_events.learners.seeding import derived_seed, reset_parameters, rng_kept
+from renate_events.learners.split_checks import (
+    TRANSFORM_EXAMPLE,
+    SampleList,
+    as_dataset,
+    check_split,
+    check_splits,
+)
 from renate_events.learners.step import ReplayOnlyForMemoryLosses, ReplayStep
 from renate_events.learners.undo import FailedUpdateUndo, buffer_copy
 
 __all__ = [
     "BUFFER_FILLINGS",
+    "TRANSFORM_EXAMPLE",
     "BaseExperienceReplayLearner",
     "BufferFilling",
     "DataChecks",
@@ -37,9 +45,13 @@ __all__ = [
     "LoadLimits",
     "ReplayOnlyForMemoryLosses",
     "ReplayStep",
+    "SampleList",
+    "as_dataset",
     "buffer_copy",
     "buffer_loader",
     "buffer_metadata",
+    "check_split",
+    "check_splits",
     "check_task_ids",
     "derived_seed",
     "loading_limits",

@@ -32,6 +32,7 @@ from renate_events.learners.checks import DataChecks, check_task_ids
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling
 from renate_events.learners.loaded import LoadLimits, check_restored_tensors, load_buffer
 from renate_events.learners.seeding import derived_seed
+from renate_events.learners.split_checks import as_dataset, check_splits
 from renate_events.learners.step import ReplayStep
 from renate_events.learners.undo import FailedUpdateUndo
 from renate_events.memory import DataBuffer, ReservoirBuffer
@@ -367,7 +368,7 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
         task id before the optimizer is made (docs: "Task-incremental training with heads").
         """
         if resume_from is None:  # a resumed update was checked when it started
-            self.check_data(train_data)
+            check_splits(self, train_data, val_data)  # every split, every transform
         with self.all_or_nothing():  # a failed fit leaves no trace (FailedUpdateUndo)
             return self._fit(train_data, val_data, resume_from)
 
@@ -446,7 +447,7 @@ class BaseExperienceReplayLearner(ReplayStep, BufferFilling, DataChecks, FailedU
         if isinstance(data, Dataset) and isinstance(tensors, tuple) and tensors:
             # In-memory tensors: batches by indexing, no per-sample fetch and collate.
             return TensorLoader(tensors, batch_size=self._new_batch_size, shuffle=shuffle)
-        if isinstance(data, Dataset):
+        if isinstance(data := as_dataset(data), Dataset):  # a list of samples too
             return DataLoader(
                 data, batch_size=self._new_batch_size, shuffle=shuffle, collate_fn=self.collate_fn
             )

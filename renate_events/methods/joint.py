@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from renate_events.learners import (
     BaseExperienceReplayLearner,
     buffer_loader,
+    check_splits,
     derived_seed,
     refuse_task_data,
     reset_parameters,
@@ -58,7 +59,7 @@ class JointLearner(BaseExperienceReplayLearner):
             raise RuntimeError("JointLearner has no buffer")
         try:
             if resume_from is None:
-                self.check_data(train_data)
+                check_splits(self, train_data, val_data)
                 self._add_update_data(train_data)
                 if self.reset_model:
                     reset_parameters(self.model)

@@ -23,6 +23,7 @@ from renate_events.learners import (
     buffer_copy,
     buffer_loader,
     buffer_metadata,
+    check_splits,
     derived_seed,
     refuse_task_data,
     reset_parameters,
@@ -145,7 +146,7 @@ class RepeatedDistillationLearner(BaseExperienceReplayLearner):
         saved = buffer_copy(buffer)
         try:
             if resume_from is None:
-                self.check_data(train_data)
+                check_splits(self, train_data, val_data)
                 expert = self._train_expert(train_data)
                 self._fill_buffer(expert, buffer, train_data)
                 self._reinitialize(self.model, stream=4)

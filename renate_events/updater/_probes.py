@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from renate_events.choices import MAPPED_TYPES
 from renate_events.config import ConfigFile
 from renate_events.inference import forward, model_device, takes_task_id
-from renate_events.learners import BaseExperienceReplayLearner
+from renate_events.learners import BaseExperienceReplayLearner, as_dataset, check_splits
 from renate_events.updater._errors import UpdateInputError
 from trainer.data import to_device
 
@@ -29,6 +29,7 @@ __all__ = [
     "InputProbe",
     "check_buffer_room",
     "check_metric",
+    "check_splits_of_update",
     "dataset_tensors",
     "make_buffer_writable",
     "pair_as_dataset",
@@ -72,7 +73,9 @@ def sample_signature(inputs: Any, targets: Any) -> dict[str, Any]:
 
 
 def pair_as_dataset(value: Any, name: str) -> Any:
-    """An ``(inputs, targets)`` pair of tensors as a ``TensorDataset``; anything else as it is."""
+    """An ``(inputs, targets)`` pair of tensors as a ``TensorDataset``, a list of ``(x, y)``
+    samples as a map-style dataset; anything else as it is."""
+    value = as_dataset(value)
     if not (isinstance(value, (tuple, list)) and len(value) == 2):
         return value
     if not all(isinstance(part, torch.Tensor) for part in value):
@@ -83,6 +86,18 @@ def pair_as_dataset(value: Any, name: str) -> Any:
             f"shapes {tuple(value[0].shape)} and {tuple(value[1].shape)}"
         )
     return TensorDataset(*value)
+
+
+def check_splits_of_update(
+    learner: BaseExperienceReplayLearner, train_dataset: Any, val_dataset: Any
+) -> None:
+    """The learner's checks of every split and transform (:func:`renate_events.learners.
+    check_splits`: validation data like training data) before the update changes anything; a
+    refusal is an :class:`UpdateInputError`."""
+    try:
+        check_splits(learner, train_dataset, val_dataset)
+    except ValueError as exc:  # WrongTypeError is one too
+        raise UpdateInputError(str(exc)) from None
 
 
 def make_buffer_writable(learner: BaseExperienceReplayLearner) -> None:

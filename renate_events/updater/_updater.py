@@ -60,6 +60,7 @@ from renate_events.updater._probes import (
     InputProbe,
     check_buffer_room,
     check_metric,
+    check_splits_of_update,
     pair_as_dataset,
 )
 from renate_events.updater._records import (
@@ -304,6 +305,7 @@ class ModelUpdater:
         probe = InputProbe(self.collate_fn, self.transforms, self.metrics, self.config_file)
         signature = probe.check(learner, train_dataset, "the training data", lambda: self.history)
         check_buffer_room(learner, signature)
+        check_splits_of_update(learner, train_dataset, val_dataset)
         current, validation = validation_data(self._memory, val_dataset, self.collate_fn)
         check_metric(self.metric, self.metrics, validation is not None)
         best = None if self.metric is None else BestWeights(learner.model, self.metric, self.mode)
