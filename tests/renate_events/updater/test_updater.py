@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -121,6 +123,18 @@ def test_rewriting_a_folder_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]  # the lock file stays
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["task_ids"] == [1, 2] and manifest["updates"] == 2
+
+
+def test_every_file_of_a_state_folder_has_the_usual_mode(tmp_path):
+    # model.safetensors is the file a model server reads, maybe as another user: not 0600.
+    umask = os.umask(0o022)
+    try:
+        _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s").update(_task())
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "s").iterdir()}
+    assert modes["model.safetensors"] == 0o644
+    assert set(modes.values()) == {0o644}, modes
 
 
 @pytest.mark.parametrize(
