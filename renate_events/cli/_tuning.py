@@ -319,6 +319,7 @@ class _TrialRunner:
             input_state_folder=self.options.input_state,
             output_state_folder=self.options.output_state,
             in_place=self.options.in_place,
+            overwrite=self.options.overwrite,
             lock_timeout=self.options.lock_timeout,
             accept_config_change=self.options.accept_config_change,
             **self.selection,

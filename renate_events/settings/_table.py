@@ -190,6 +190,13 @@ _ALL = (
         maps_onto=(_UPDATER + "in_place",),
     ),
     Setting(
+        "overwrite",
+        "allow --output-state to replace a state folder of another lineage (another model's: not "
+        "the input state, nor a part or a continuation of its history)",
+        kind="flag",
+        maps_onto=(_UPDATER + "overwrite",),
+    ),
+    Setting(
         "accept_config_change",
         "continue a state folder written with another version of the config file",
         kind="flag",
@@ -474,7 +481,15 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
-        *("accept_config_change", "task_id", "model", "model_args", "search", "search_storage"),
+        *(
+            "overwrite",
+            "accept_config_change",
+            "task_id",
+            "model",
+            "model_args",
+            "search",
+            "search_storage",
+        ),
         *("search_study", "search_pruner", "buffer_storage", "scratch_dir", "lock_timeout"),
         *(*_TRAINING, *_SELECTION),
     ),
