@@ -2,9 +2,11 @@
 or, with ``overwrite``, any state folder (never silently another model's).
 
 The lineage of a state is its manifest's ``history``, one record per update (its task id, steps,
-metrics, seconds, data signature, ...): a later update of a state extends its history, so two
-states are of one lineage when one's history is a prefix of the other's. The input folder itself
-and a folder this updater wrote are the updater's own; their tokens it knows already.
+metrics, hyperparameters, data signature, ...): a later update of a state extends its history, so
+two states are of one lineage when one's history is a prefix of the other's (the records'
+``seconds`` aside: an update repeated exactly, same seed, data and settings, is the same). The
+input folder itself and a folder this updater wrote are the updater's own; their tokens it knows
+already.
 """
 
 from __future__ import annotations
@@ -67,7 +69,16 @@ def _plain(history: Any) -> list[Any]:
     return json.loads(json.dumps(history))
 
 
+def _timeless(history: list[Any]) -> list[Any]:
+    """The records without their ``seconds``: a state trained again exactly as another (same
+    seed, data and settings) is the same model, whatever the clock said."""
+    return [
+        {k: v for k, v in record.items() if k != "seconds"} if isinstance(record, dict) else record
+        for record in history
+    ]
+
+
 def _one_lineage(mine: list[Any], theirs: list[Any]) -> bool:
     """One history is a prefix of the other, and they share at least one update."""
     shorter = min(len(mine), len(theirs))
-    return shorter > 0 and mine[:shorter] == theirs[:shorter]
+    return shorter > 0 and _timeless(mine[:shorter]) == _timeless(theirs[:shorter])

@@ -144,14 +144,14 @@ def _files(folder):
 def test_a_state_folder_of_another_lineage_is_replaced_only_with_overwrite(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _updater(torch.nn.Linear(4, 2), output_state_folder=a).update(_task(), task_id=0)
-    _updater(torch.nn.Linear(4, 2), output_state_folder=b).update(_task(), task_id=0)
+    _updater(torch.nn.Linear(4, 2), output_state_folder=b).update(_task(), task_id="b0")
     before = _files(b)
     for input_folder in (None, a):  # a first update, or a's next one, over b (another model)
         other = _updater(
             torch.nn.Linear(4, 2), input_state_folder=input_folder, output_state_folder=b
         )
         with pytest.raises(StateFolderOverwriteError, match=r"b holds a state folder of another "
-                           r"lineage \(updates \[0\]\).*pass overwrite=True"):  # fmt: skip
+                           r"lineage \(updates \['b0'\]\).*pass overwrite=True"):  # fmt: skip
             other.update(_task(), task_id=1)
         assert _files(b) == before and [r["task_id"] for r in other.history] == (
             [] if input_folder is None else [0]
