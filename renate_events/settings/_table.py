@@ -360,6 +360,15 @@ _ALL = (
         later=True,
         maps_onto=(_TRAINER + "precision",),
     ),
+    Setting(
+        "nonfinite_loss",
+        "what a NaN or infinite training loss does: raise (stop the update, nothing written) or "
+        "skip (no optimizer step for that batch; a metrics logger counts them as skipped_batches)",
+        default="raise",
+        choices=("raise", "skip"),
+        later=True,
+        maps_onto=(_TRAINER + "nonfinite_loss",),
+    ),
     Setting("no_progress", "hide progress bars", kind="flag"),
     # the choice of the kept weights (config files)
     Setting(
@@ -470,6 +479,7 @@ _TRAINING = (
     "memory_batch_size",
     "device",
     "precision",
+    "nonfinite_loss",
     "no_progress",
 )
 _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_memory")
