@@ -69,6 +69,7 @@ from trainer.files import (
     fsync_file,
     fsync_folder,
     remove_dead_writers_temporaries,
+    set_usual_mode,
     writer_temporary_prefix,
 )
 
@@ -357,9 +358,7 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> N
         raise CheckpointError(f"could not write checkpoint {path}: {exc}") from exc
     try:
         save_file(encoder.tensors, tmp, metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp (and save_file) leave 0600; use the usual mode
+        set_usual_mode(tmp)  # mkstemp (and save_file) leave 0600
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException as exc:

@@ -43,6 +43,7 @@ __all__ = [
     "is_temporary_sibling",
     "lock_path",
     "remove_dead_writers_temporaries",
+    "set_usual_mode",
     "sha256_of_file",
     "temporary_sibling",
     "writer_temporary_prefix",
@@ -53,6 +54,15 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
     """Flush a written file's data to disk."""
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def set_usual_mode(path: str | os.PathLike[str]) -> None:
+    """Give a written file the mode ``open`` gives a new file (0666 less the umask, so 0644
+    usually): ``mkstemp`` and safetensors' ``save_file`` leave 0600, which another user's
+    process (a model server) cannot read."""
+    umask = os.umask(0)  # the only way to read the umask; set back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def sha256_of_file(path: str | os.PathLike[str]) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from renate_events.cli._errors import UsageError, one_line
+from renate_events.cli._errors import UsageError, command_line_message, one_line
 from renate_events.cli._parser import COMMAND_FUNCTIONS, parse
 from renate_events.config import ConfigError
 from renate_events.memory.mapped import MappedFileError
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, values, from_file = parse(argv)
         return COMMAND_FUNCTIONS[command](values, from_file)
     except _EXPECTED as exc:
-        print(f"renate-events: error: {one_line(exc)}", file=sys.stderr)
+        print(f"renate-events: error: {command_line_message(exc)}", file=sys.stderr)
         return 2
     except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk
         if not isinstance(exc.__cause__, MappedFileError):

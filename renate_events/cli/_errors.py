@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "one_line"]
+__all__ = ["UsageError", "command_line_message", "one_line"]
 
 
 class UsageError(Exception):
@@ -12,3 +12,15 @@ class UsageError(Exception):
 def one_line(error: BaseException) -> str:
     """The message of ``error`` on one line."""
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+_PYTHON_ADVICE = (("Trainer(nonfinite_loss='skip')", "--nonfinite-loss skip"),)
+"""Advice in the library's messages that names a Python argument, and the flag that sets it."""
+
+
+def command_line_message(error: BaseException) -> str:
+    """:func:`one_line`, with the advice naming the flag instead of the Python argument."""
+    message = one_line(error)
+    for python, flag in _PYTHON_ADVICE:
+        message = message.replace(python, flag)
+    return message

@@ -72,10 +72,11 @@ def search_update(
     search.fail_dead_trials(optuna, study)  # a killed worker's trials: FAIL, not RUNNING
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     finished = [t for t in study.trials if t.state in done]
+    new_study = not study.trials  # asked before anything is enqueued (which adds a trial)
     if current is not None and all(t.params != current for t in finished):
         study.enqueue_trial(current)  # the settings the update would have used without a search
-    if not study.trials:
-        _warm_start(study, options, manifest, space, selection["mode"])
+    if new_study:
+        _warm_start(study, options, manifest, space, selection["mode"], current)
     study.optimize(
         lambda trial: runner.trial(trial, search.suggest(trial, space), optuna),
         n_trials=max(0, options.search - len(finished)),
@@ -222,9 +223,10 @@ def _current_params(
 
 
 def _warm_start(
-    study: Any, options: Any, manifest: Any, space: Mapping[str, Any], mode: str
+    study: Any, options: Any, manifest: Any, space: Mapping[str, Any], mode: str, current: Any
 ) -> None:
-    """Try the input state's best earlier configurations first (once per study)."""
+    """Try the input state's best earlier configurations first (once per study), after the
+    ``current`` settings (often the earlier best itself, which is not tried twice)."""
     from renate_events import search
 
     if manifest is None or search.SEARCH_FILE not in manifest["files"]:
@@ -232,7 +234,8 @@ def _warm_start(
     path = os.path.join(options.input_state or "", search.SEARCH_FILE)
     with open(path, encoding="utf-8") as handle:
         for params in search.earlier_best(handle.read(), space, mode):
-            study.enqueue_trial(params)
+            if params != current:
+                study.enqueue_trial(params)
 
 
 @attrs.define(eq=False)
@@ -316,6 +319,7 @@ class _TrialRunner:
             input_state_folder=self.options.input_state,
             output_state_folder=self.options.output_state,
             in_place=self.options.in_place,
+            overwrite=self.options.overwrite,
             lock_timeout=self.options.lock_timeout,
             accept_config_change=self.options.accept_config_change,
             **self.selection,

@@ -57,6 +57,7 @@ def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
         hyper,
         output_state_folder=options.output_state,  # the mapped buffer's working files go beside it
         in_place=options.in_place,
+        overwrite=options.overwrite,
         **scratch_setting(options),
     )
     check_same_model(options, spec, options.input_state)
@@ -100,6 +101,7 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
         input_state_folder=options.input_state,
         output_state_folder=options.output_state,
         in_place=options.in_place,
+        overwrite=options.overwrite,
         lock_timeout=options.lock_timeout,
         accept_config_change=options.accept_config_change,
         **selection_settings(options),

@@ -154,6 +154,9 @@ def trainer_setting(
     for option, name in _TRAINER_OPTIONS:
         if overrides.get(option) is not None:
             trainer_kwargs[name] = overrides[option]
+    nonfinite = overrides.get("nonfinite_loss")
+    if nonfinite is not None and (nonfinite != "raise" or "nonfinite_loss" in trainer_kwargs):
+        trainer_kwargs["nonfinite_loss"] = nonfinite  # left out: the Trainer's default, raise
     if overrides.get("distributed"):
         trainer_kwargs["distributed"] = "init"
     if "device" in trainer_kwargs and overrides.get("device") is None and folder is not None:

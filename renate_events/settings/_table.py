@@ -199,6 +199,13 @@ _ALL = (
         maps_onto=(_UPDATER + "in_place",),
     ),
     Setting(
+        "overwrite",
+        "allow --output-state to replace a state folder of another lineage (another model's: not "
+        "the input state, nor a part or a continuation of its history)",
+        kind="flag",
+        maps_onto=(_UPDATER + "overwrite",),
+    ),
+    Setting(
         "accept_config_change",
         "continue a state folder written with another version of the config file",
         kind="flag",
@@ -366,6 +373,15 @@ _ALL = (
         later=True,
         maps_onto=(_TRAINER + "precision",),
     ),
+    Setting(
+        "nonfinite_loss",
+        "what a NaN or infinite training loss does: raise (stop the update, nothing written) or "
+        "skip (no optimizer step for that batch; a metrics logger counts them as skipped_batches)",
+        default="raise",
+        choices=("raise", "skip"),
+        later=True,
+        maps_onto=(_TRAINER + "nonfinite_loss",),
+    ),
     Setting("no_progress", "hide progress bars", kind="flag"),
     # the choice of the kept weights (config files)
     Setting(
@@ -491,6 +507,7 @@ _TRAINING = (
     "memory_batch_size",
     "device",
     "precision",
+    "nonfinite_loss",
     "no_progress",
 )
 _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_memory")
@@ -502,7 +519,15 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
-        *("accept_config_change", "task_id", "model", "model_args", "search", "search_storage"),
+        *(
+            "overwrite",
+            "accept_config_change",
+            "task_id",
+            "model",
+            "model_args",
+            "search",
+            "search_storage",
+        ),
         *("search_study", "search_pruner", "buffer_storage", "scratch_dir", "lock_timeout"),
         *(*_TRAINING, *_SELECTION),
     ),

@@ -58,6 +58,7 @@ from renate_events.state_folder.errors import (
     StateFolderBusyError,
     StateFolderConflictError,
     StateFolderError,
+    StateFolderOverwriteError,
 )
 from renate_events.state_folder.locks import folder_key, read_manifest, state_token
 from renate_events.state_folder.manifest import FORMAT_NAME, FORMAT_VERSION
@@ -70,6 +71,7 @@ __all__ = [
     "StateFolderBusyError",
     "StateFolderConflictError",
     "StateFolderError",
+    "StateFolderOverwriteError",
     "folder_key",
     "read_manifest",
     "stage",

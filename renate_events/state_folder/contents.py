@@ -37,7 +37,7 @@ from trainer import CheckpointError
 from trainer import validators as checks
 from trainer.checkpoint import read_checkpoint
 from trainer.exceptions import ListenerError
-from trainer.files import fsync_folder, sha256_of_file
+from trainer.files import fsync_folder, set_usual_mode, sha256_of_file
 
 __all__ = ["check_model_file", "load_limits", "load_state", "mapped_files", "write_contents"]
 
@@ -138,6 +138,7 @@ def write_contents(
         for name, tensor in learner.model.state_dict().items()
     }
     safetensors.torch.save_file(weights, model_file, metadata={"format": "pt"})
+    set_usual_mode(model_file)  # the file to serve: readable like the folder's other files
     card = os.path.join(staging, MODEL_CARD)
     _write_json(card, _model_card(manifest))
     for name, data in extra.items():

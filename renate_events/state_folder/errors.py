@@ -3,7 +3,12 @@ with another writer."""
 
 from __future__ import annotations
 
-__all__ = ["StateFolderBusyError", "StateFolderConflictError", "StateFolderError"]
+__all__ = [
+    "StateFolderBusyError",
+    "StateFolderConflictError",
+    "StateFolderError",
+    "StateFolderOverwriteError",
+]
 
 
 class StateFolderError(ValueError):
@@ -18,3 +23,9 @@ class StateFolderBusyError(StateFolderError):
 class StateFolderConflictError(StateFolderError):
     """Raised when an output folder changed after the update looked at it: writing would discard
     the other writer's update. Rerun the update from the folder's current state."""
+
+
+class StateFolderOverwriteError(StateFolderError):
+    """Raised before training when the output folder holds a state of another lineage (another
+    model's, not the input's nor a continuation of it): replacing it needs ``overwrite=True``
+    (``renate-events update --overwrite``)."""

@@ -18,6 +18,7 @@ from renate_events.state_folder import (
     StateFolderBusyError,
     StateFolderConflictError,
     StateFolderError,
+    StateFolderOverwriteError,
     read_manifest,
     state_token,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "StateFolderBusyError",
     "StateFolderConflictError",
     "StateFolderError",
+    "StateFolderOverwriteError",
     "UpdateInputError",
     "check_config_file",
     "dataset_tensors",

@@ -27,7 +27,6 @@ from renate_events.state_folder import (
     StateFolderError,
     folder_key,
     stage,
-    state_token,
 )
 from renate_events.state_folder.contents import load_state
 from renate_events.updater._arguments import (
@@ -49,6 +48,7 @@ from renate_events.updater._arguments import (
 )
 from renate_events.updater._building import make_buffer, make_learner
 from renate_events.updater._config_file import check_config_file, config_arguments
+from renate_events.updater._lineage import output_token
 from renate_events.updater._listeners import (
     VALIDATION_MEMORY,
     BestWeights,
@@ -103,9 +103,10 @@ class ModelUpdater:
             rebuild its model there).
         input_state_folder: A folder written by a previous update, or None for the first one.
         output_state_folder: Where to write the state after each update, or None. It must not
-            exist, or be empty, or be a state folder; it may be the input folder only with
-            ``in_place``.
+            exist, or be empty, or be a state folder of the input's lineage (else ``overwrite``);
+            it may be the input folder only with ``in_place``.
         in_place: Allow ``output_state_folder`` to be ``input_state_folder``.
+        overwrite: Replace a state folder at the output even of another lineage (another model).
         lock_timeout: Seconds to wait for another process's lock on a state folder before
             :class:`~renate_events.state_folder.StateFolderBusyError`.
         loss_fn: ``(outputs, targets) -> losses`` (default: the learner's cross-entropy).
@@ -191,6 +192,7 @@ class ModelUpdater:
         default=None, validator=check_folder
     )
     in_place: bool = attrs.field(default=False, validator=checks.boolean)
+    overwrite: bool = attrs.field(default=False, kw_only=True, validator=checks.boolean)
     lock_timeout: float = attrs.field(default=60.0, validator=checks.real_in_range(0.0))
     loss_fn: Callable[..., torch.Tensor] | None = attrs.field(
         default=None, kw_only=True, validator=optional_callable("(outputs, targets) -> losses")
@@ -452,7 +454,9 @@ class ModelUpdater:
         output = folder_key(self.output_state_folder)
         check_output_folder(output, self.input_state_folder, self.in_place)
         if output not in self._seen:
-            self._seen[output] = state_token(output, timeout=self.lock_timeout)
+            self._seen[output] = output_token(
+                output, self._manifest, self.overwrite, self.lock_timeout
+            )
         return self._seen[output]
 
     def _manifest_now(self) -> dict[str, Any]:

@@ -148,6 +148,20 @@ def test_a_search_writes_the_best_trials_state_and_the_trials_table(files):
     assert (first["alpha"], first["lr"]) == (best["alpha"], best["lr"])
 
 
+def test_the_next_search_tries_the_earlier_best_configurations_first(files):
+    out = files / "s0"
+    assert _search(files, out, 5, "--search-pruner", "none") == 0
+    space = search.parse_space({"alpha": {"low": 0.1, "high": 1.0}, "lr": {"low": 1e-3,
+                                "high": 1e-1, "log": True}}, "space.toml")  # fmt: skip
+    earlier = earlier_best((out / "search.csv").read_text(), space, "min")
+    assert _search(files, files / "s1", 4, "--input-state", out, "--search-pruner", "none") == 0
+    rows = _rows(files / "s1")
+    tried = [{"alpha": float(row["alpha"]), "lr": float(row["lr"])} for row in rows]
+    # trial 0: the input state's own settings (the earlier best); then the other best ones
+    assert tried[0] == earlier[0]
+    assert tried[1:] == [params for params in earlier if params != tried[0]] + tried[3:]
+
+
 def test_an_interrupted_search_resumes_from_its_storage(files):
     storage = f"sqlite:///{files / 'search.db'}"
     extra = ["--search-storage", storage, "--search-study", "day-0"]

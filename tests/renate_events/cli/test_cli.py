@@ -222,3 +222,77 @@ def test_a_component_refusing_the_state_folders_checkpoint_is_one_line(
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert str(state / "learner.safetensors") in line and "'updates' must be" in line
     assert not (tmp_path / "out").exists()
+
+
+_SMALL_CONFIG = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model_fn():
+    return torch.nn.Linear(4, 2)
+
+
+def data_fn(chunk_id, seed):
+    g = torch.Generator().manual_seed(100 * chunk_id + seed)
+    x = torch.randn(32, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+"""
+
+
+def test_update_replaces_another_lineages_state_only_with_overwrite(tmp_path, capsys):
+    (tmp_path / "c.py").write_text(_SMALL_CONFIG)
+
+    def update(out, *extra):
+        args = ["update", "--config-file", tmp_path / "c.py", "--output-state", tmp_path / out]
+        return main([*map(str, args), "--device", "cpu", "--no-progress", *map(str, extra)])
+
+    assert update("a") == 0 and update("b", "--seed", 1) == 0  # two lineages
+    assert update("c", "--input-state", tmp_path / "a") == 0
+    assert update("c", "--input-state", tmp_path / "a") == 0  # a rerun: c continues a
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    capsys.readouterr()
+    assert update("b", "--input-state", tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert "holds a state folder of another lineage" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before
+    assert update("b", "--input-state", tmp_path / "a", "--overwrite") == 0
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["updates"] == 2
+
+
+_NAN_CONFIG = _SMALL_CONFIG.replace(
+    "def model_fn():\n    return torch.nn.Linear(4, 2)",
+    '''class _NanLater(torch.nn.Linear):
+    """A model whose outputs turn NaN from its second training forward on."""
+
+    calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        out = super().forward(x)
+        return out * float("nan") if self.calls > 1 else out
+
+
+def model_fn():
+    return _NanLater(4, 2)''',
+)
+
+
+def test_nonfinite_loss_is_a_flag_and_its_error_names_it(tmp_path, capsys):
+    (tmp_path / "c.py").write_text(_NAN_CONFIG)
+    args = ["update", "--config-file", str(tmp_path / "c.py"), "--device", "cpu", "--no-progress"]
+    assert main([*args, "--output-state", str(tmp_path / "a"), "--epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "the loss is nan" in err and "pass --nonfinite-loss skip to skip" in err
+    assert "Trainer(" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists()
+    out = ["--output-state", str(tmp_path / "a"), "--epochs", "3"]
+    assert main([*args, *out, "--nonfinite-loss", "skip"]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["trainer"]["nonfinite_loss"] == "skip"
+    assert manifest["history"][0]["steps"] == 3  # one batch an epoch; two of them skipped
+    capsys.readouterr()
+    assert main(["update", "--nonfinite-loss", "off"]) == 2
+    assert "--nonfinite-loss: invalid choice: 'off'" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from renate_events.state_folder import (
     StateFolderBusyError,
     StateFolderConflictError,
     StateFolderError,
+    StateFolderOverwriteError,
     read_manifest,
     state_token,
 )
@@ -108,7 +109,11 @@ def test_an_empty_folder_or_a_state_folder_is_replaced(tmp_path):
     (tmp_path / "empty").mkdir()
     _updater(output_state_folder=tmp_path / "empty").update(_task(), task_id="a")
     assert read_manifest(tmp_path / "empty")["task_ids"] == ["a"]
-    _updater(output_state_folder=tmp_path / "empty").update(_task(), task_id="b")
+    # another lineage's state (a first update over it): replaced only when asked (issue 25)
+    with pytest.raises(StateFolderOverwriteError, match="pass overwrite=True"):
+        _updater(output_state_folder=tmp_path / "empty").update(_task(), task_id="b")
+    assert read_manifest(tmp_path / "empty")["task_ids"] == ["a"]
+    _updater(output_state_folder=tmp_path / "empty", overwrite=True).update(_task(), task_id="b")
     assert read_manifest(tmp_path / "empty")["task_ids"] == ["b"]
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.state_folder import StateFolderError, StateFolderOverwriteError, read_manifest
 from renate_events.updater import ModelUpdater
 from tests.helpers import run_in_fresh_process, small_mlp, two_class_task
 from trainer import read_checkpoint
@@ -121,6 +123,57 @@ def test_rewriting_a_folder_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]  # the lock file stays
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["task_ids"] == [1, 2] and manifest["updates"] == 2
+
+
+def test_every_file_of_a_state_folder_has_the_usual_mode(tmp_path):
+    # model.safetensors is the file a model server reads, maybe as another user: not 0600.
+    umask = os.umask(0o022)
+    try:
+        _updater(torch.nn.Linear(4, 2), output_state_folder=tmp_path / "s").update(_task())
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "s").iterdir()}
+    assert modes["model.safetensors"] == 0o644
+    assert set(modes.values()) == {0o644}, modes
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_state_folder_of_another_lineage_is_replaced_only_with_overwrite(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _updater(torch.nn.Linear(4, 2), output_state_folder=a).update(_task(), task_id=0)
+    _updater(torch.nn.Linear(4, 2), output_state_folder=b).update(_task(), task_id="b0")
+    before = _files(b)
+    for input_folder in (None, a):  # a first update, or a's next one, over b (another model)
+        other = _updater(
+            torch.nn.Linear(4, 2), input_state_folder=input_folder, output_state_folder=b
+        )
+        with pytest.raises(StateFolderOverwriteError, match=r"b holds a state folder of another "
+                           r"lineage \(updates \['b0'\]\).*pass overwrite=True"):  # fmt: skip
+            other.update(_task(), task_id=1)
+        assert _files(b) == before and [r["task_id"] for r in other.history] == (
+            [] if input_folder is None else [0]
+        )
+    _updater(
+        torch.nn.Linear(4, 2), input_state_folder=a, output_state_folder=b, overwrite=True
+    ).update(_task(), task_id=1)
+    assert read_manifest(b)["task_ids"] == [0, 1]
+
+
+def test_a_state_folder_of_the_same_lineage_is_replaced(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _updater(torch.nn.Linear(4, 2), output_state_folder=a).update(_task(), task_id=0)
+    for _ in range(2):  # the second time, b (a continuation of a) is replaced: a rerun
+        _updater(torch.nn.Linear(4, 2), input_state_folder=a, output_state_folder=b).update(
+            _task(), task_id=1
+        )
+    # b's continuation over a (whose history is b's first part)
+    _updater(torch.nn.Linear(4, 2), input_state_folder=b, output_state_folder=a).update(
+        _task(), task_id=2
+    )
+    assert read_manifest(a)["task_ids"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize(
