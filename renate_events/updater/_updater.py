@@ -291,10 +291,9 @@ class ModelUpdater:
     ) -> FitResult:
         """Train on one new chunk of data and, if configured, write the output state folder.
 
-        Before training, the data is checked against the model (one forward pass on a sample)
-        and against the samples of earlier updates, the best-model metric against what the
-        update reports, and the output folder against what may be written (see the class and
-        module docstrings). With ``metric``, the model ends with its best validation's weights.
+        Before training, every split and transform is checked against the model and earlier
+        updates' samples, the metric against what the update reports, the output folder against
+        what may be written. With ``metric``, the model ends with its best validation's weights.
         ``write=False`` leaves the output folder to :meth:`write_output` (a search writes only
         its best trial's). An update that fails or is interrupted, at any point until its folder
         is written, leaves the learner, model, buffer, optimizer and this updater as they were.
