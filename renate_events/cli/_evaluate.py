@@ -28,6 +28,7 @@ __all__ = [
     "evaluated",
     "for_evaluation",
     "method_classifier",
+    "own_classifier",
 ]
 
 
@@ -100,6 +101,19 @@ def _metric_means(
     return {name: float(total) / len(targets) for name, total in sums.items()}
 
 
+def own_classifier(learner: Any) -> str:
+    """The method's own classifier: ``nme`` where its spec says so, else ``logits``."""
+    spec = method_of(learner)
+    return "logits" if spec is None else spec.classifier
+
+
+def chosen_classifier(learner: Any, classifier: str | None, state: str) -> torch.nn.Module:
+    """``--classifier`` (None: the method's own), said on the first line of the output."""
+    name = classifier or own_classifier(learner)
+    print(f"classifier {name}" + ("" if classifier else " (the method's own)"))
+    return method_classifier(learner, name, state)
+
+
 def method_classifier(learner: Any, classifier: str, state: str) -> torch.nn.Module:
     """The learner's model (``logits``) or its nearest-mean-of-exemplars classifier (``nme``,
     for the methods whose spec names that classifier)."""
@@ -133,7 +147,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     if options.data is not None:
         data = load_data_file(options.data)
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
-    classifier = method_classifier(updater.learner_instance, options.classifier, options.state)
+    classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
     model = evaluated(classifier, updater.transforms)
     if options.data is not None:
         data = fitted(f"--data {options.data}", data, spec)
@@ -166,7 +180,7 @@ def _evaluate_from_config(options: Any) -> int:
         **scratch_setting(options),
     )
     model = for_evaluation(
-        method_classifier(updater.learner_instance, options.classifier, options.state), config
+        chosen_classifier(updater.learner_instance, options.classifier, options.state), config
     )
     chunks = options.chunk_ids or list(range(manifest["updates"]))
     tasks = []

@@ -17,11 +17,11 @@ from renate_events.cli._evaluate import (
     evaluated,
     for_evaluation,
     method_classifier,
+    own_classifier,
 )
 from renate_events.cli._options import PredictOptions, check_options, load_config_file
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
 from renate_events.inference import inference, outputs_in_batches
-from renate_events.methods import method_of
 from renate_events.state_folder import read_manifest
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
@@ -44,7 +44,7 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
         inputs = load_inputs_file(options.data)
         updater, spec = updater_from_folder(options.state, **scratch_setting(options))
         inputs = fitted_inputs(f"--data {options.data}", inputs, spec)
-        classifier = _classifier_name(updater.learner_instance)
+        classifier = own_classifier(updater.learner_instance)
         model = evaluated(
             method_classifier(updater.learner_instance, classifier, options.state),
             updater.transforms,
@@ -60,12 +60,6 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
         write_predictions(options.output, labels, probabilities)
         print(f"written to {options.output}")
     return 0
-
-
-def _classifier_name(learner: Any) -> str:
-    """The method's own classifier: ``nme`` where its spec says so, else ``logits``."""
-    spec = method_of(learner)
-    return "logits" if spec is None else spec.classifier
 
 
 def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
@@ -88,7 +82,7 @@ def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
     chunk = options.chunk_id
     val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
     test = chunk_test_data(config, chunk, options.seed, val)
-    classifier = _classifier_name(updater.learner_instance)
+    classifier = own_classifier(updater.learner_instance)
     model = for_evaluation(
         method_classifier(updater.learner_instance, classifier, options.state), config
     )

@@ -41,8 +41,9 @@ def _buffer_shown() -> str:
 def _classifier_help() -> str:
     names = [name for name, spec in METHODS.items() if spec.classifier == "nme"]
     return (
-        "logits: the model's argmax (default); nme: the nearest mean of exemplars (a state "
-        f"folder of --learner {' or '.join(names)})"
+        f"default: the method's own (nme for {' and '.join(names)}, logits for the others); "
+        "logits: the model's argmax; nme: the nearest mean of exemplars (a state folder of "
+        f"--learner {' or '.join(names)})"
     )
 
 
@@ -432,8 +433,8 @@ _ALL = (
     Setting(
         "classifier",
         _classifier_help,
-        default="logits",
         choices=CLASSIFIERS,
+        shown="",
     ),
     # predict
     Setting(

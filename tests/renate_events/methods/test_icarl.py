@@ -412,8 +412,13 @@ def test_cli_run_and_evaluate_with_the_nme_classifier(tmp_path, capsys):
     nme = capsys.readouterr().out
     final = float(nme.split("average accuracy ")[1].split()[0])
     assert f"average_accuracy                    {final:.3f}" in table  # run's own evaluation
-    assert main(argv[:-2]) == 0  # the model's logits
-    assert "average accuracy" in capsys.readouterr().out
+    assert nme.startswith("classifier nme\n")
+    assert main(argv[:-2]) == 0  # no --classifier: the method's own, said on the first line
+    own = capsys.readouterr().out
+    assert "average accuracy" in own
+    assert own == nme.replace("classifier nme\n", "classifier nme (the method's own)\n")
+    assert main([*argv[:-1], "logits"]) == 0  # the model's logits
+    assert capsys.readouterr().out.startswith("classifier logits\n")
 
 
 def test_cli_refuses_the_nme_classifier_for_other_learners(tmp_path, capsys):
