@@ -29,6 +29,7 @@ __all__ = [
     "for_evaluation",
     "method_classifier",
     "own_classifier",
+    "state_with_config",
 ]
 
 
@@ -164,9 +165,9 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     return 0
 
 
-def _evaluate_from_config(options: Any) -> int:
-    from renate_events import evaluation
-
+def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The config file of ``--config-file``, the manifest of ``--state`` and an updater reading
+    that state with the config file's functions (``evaluate`` and ``predict`` on chunks)."""
     config = load_config_file(options.config_file)
     manifest = read_manifest(options.state)
     updater = config_updater(
@@ -179,6 +180,13 @@ def _evaluate_from_config(options: Any) -> int:
         accept_config_change=options.accept_config_change,
         **scratch_setting(options),
     )
+    return config, manifest, updater
+
+
+def _evaluate_from_config(options: Any) -> int:
+    from renate_events import evaluation
+
+    config, manifest, updater = state_with_config(options)
     model = for_evaluation(
         chosen_classifier(updater.learner_instance, options.classifier, options.state), config
     )

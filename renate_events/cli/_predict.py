@@ -18,11 +18,11 @@ from renate_events.cli._evaluate import (
     for_evaluation,
     method_classifier,
     own_classifier,
+    state_with_config,
 )
-from renate_events.cli._options import PredictOptions, check_options, load_config_file
-from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
+from renate_events.cli._options import PredictOptions, check_options
+from renate_events.cli._updaters import scratch_setting, updater_from_folder
 from renate_events.inference import inference, outputs_in_batches
-from renate_events.state_folder import read_manifest
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["OUTPUT_SUFFIXES", "predict", "write_predictions"]
@@ -67,18 +67,7 @@ def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
     chunk's test inputs."""
     if options.chunk_id is None:
         raise UsageError("--config-file needs --chunk-id N: the chunk to predict on")
-    config = load_config_file(options.config_file)
-    manifest = read_manifest(options.state)
-    updater = config_updater(
-        config,
-        {},
-        {},
-        manifest,
-        input_state_folder=options.state,
-        validation_memory=manifest.get("validation_memory", False),
-        accept_config_change=options.accept_config_change,
-        **scratch_setting(options),
-    )
+    config, _, updater = state_with_config(options)
     chunk = options.chunk_id
     val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
     test = chunk_test_data(config, chunk, options.seed, val)
