@@ -10,7 +10,7 @@ import pathlib
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -256,3 +256,26 @@ def one_line_cli_error(capsys: Any, argv: list[str], *words: str) -> str:
     for word in words:
         assert word in err, err
     return err
+
+
+@contextlib.contextmanager
+def sync_errors_in_steady_state(trainer: Any, last: int) -> Iterator[None]:
+    """``set_sync_debug_mode("error")`` from the second ``batch_start`` to ``batch_end`` of batch
+    ``last``; switched on before, and off after, every other receiver of those events."""
+
+    def sync_on(state: Any) -> None:
+        if state.batch_idx == 1:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def sync_off(state: Any) -> None:
+        if state.batch_idx == last:
+            torch.cuda.set_sync_debug_mode(0)
+
+    trainer.connect("batch_start", sync_on, priority=10**9)
+    trainer.connect("batch_end", sync_off, priority=-(10**9))
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        trainer.unsubscribe(sync_on)
+        trainer.unsubscribe(sync_off)

@@ -10,7 +10,6 @@ bool per step by design. All tests are skipped without CUDA (see ``conftest.py``
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from renate_events.memory import ReservoirBuffer
 from renate_events.methods import ExperienceReplayLearner
+from tests.helpers import sync_errors_in_steady_state
 from trainer import TensorLoader, Trainer
 
 pytestmark = pytest.mark.gpu
@@ -58,29 +58,6 @@ def _step(model: torch.nn.Module):
     return step
 
 
-@contextlib.contextmanager
-def _sync_errors_in_steady_state(trainer: Trainer, last: int) -> Iterator[None]:
-    """``set_sync_debug_mode("error")`` from the second ``batch_start`` to ``batch_end`` of batch
-    ``last``; switched on before, and off after, every other receiver of those events."""
-
-    def sync_on(state: Any) -> None:
-        if state.batch_idx == 1:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def sync_off(state: Any) -> None:
-        if state.batch_idx == last:
-            torch.cuda.set_sync_debug_mode(0)
-
-    trainer.connect("batch_start", sync_on, priority=10**9)
-    trainer.connect("batch_end", sync_off, priority=-(10**9))
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        trainer.unsubscribe(sync_on)
-        trainer.unsubscribe(sync_off)
-
-
 def test_the_check_catches_a_synchronising_step():
     """The default loss check reads a bool from the device every step: the window sees it."""
     model = _model()
@@ -90,7 +67,7 @@ def test_the_check_catches_a_synchronising_step():
     trainer.fit(model, optimizer, loader, _step(model))
     with (
         pytest.raises(RuntimeError, match=SYNC),
-        _sync_errors_in_steady_state(trainer, BATCHES - 1),
+        sync_errors_in_steady_state(trainer, BATCHES - 1),
     ):
         trainer.fit(model, optimizer, loader, _step(model))
 
@@ -102,7 +79,7 @@ def test_trainer_steps_on_device_resident_data_do_not_synchronise(precision):
     loader = TensorLoader(_data(), batch_size=BATCH, device="cuda")
     trainer = Trainer(max_epochs=1, device="cuda", precision=precision, nonfinite_loss="off")
     trainer.fit(model, optimizer, loader, _step(model))
-    with _sync_errors_in_steady_state(trainer, BATCHES - 1):
+    with sync_errors_in_steady_state(trainer, BATCHES - 1):
         result = trainer.fit(model, optimizer, loader, _step(model))
     assert result.steps == BATCHES
 
@@ -122,7 +99,7 @@ def test_experience_replay_steps_with_the_buffer_on_the_device_do_not_synchronis
     learner.fit(loader)  # warm-up: the memory is full afterwards, so every step replays
     assert len(buffer) == 64
     seen = buffer.num_seen
-    with _sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
+    with sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
         learner.fit(loader)
     assert buffer.num_seen == seen + BATCH * BATCHES
 
@@ -159,7 +136,7 @@ def test_batches_from_pinned_memory_are_moved_without_blocking():
     seen = _OnDevice()
     trainer.subscribe(seen)
     trainer.fit(model, optimizer, loader, _step(model))
-    with _sync_errors_in_steady_state(trainer, BATCHES - 1):
+    with sync_errors_in_steady_state(trainer, BATCHES - 1):
         trainer.fit(model, optimizer, loader, _step(model))
     assert seen.devices == {"cuda"}
 
@@ -173,6 +150,6 @@ def test_batches_from_pageable_memory_are_caught_by_the_check():
     trainer.fit(model, optimizer, loader, _step(model))
     with (
         pytest.raises(RuntimeError, match=SYNC),
-        _sync_errors_in_steady_state(trainer, BATCHES - 1),
+        sync_errors_in_steady_state(trainer, BATCHES - 1),
     ):
         trainer.fit(model, optimizer, loader, _step(model))

@@ -14,7 +14,6 @@ window. All tests are skipped without CUDA (see ``tests/conftest.py``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from renate_events.methods import (
 )
 from renate_events.models import resnet18
 from renate_events.transforms import cifar_test_transform, cifar_train_transform
+from tests.helpers import sync_errors_in_steady_state
 from trainer import TensorLoader, Trainer
 
 pytestmark = pytest.mark.gpu
@@ -45,29 +45,6 @@ def _sync_debug_off() -> Iterator[None]:
     yield
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode(0)
-
-
-@contextlib.contextmanager
-def _sync_errors_in_steady_state(trainer: Trainer, last: int) -> Iterator[None]:
-    """``set_sync_debug_mode("error")`` from the second ``batch_start`` to ``batch_end`` of batch
-    ``last``; switched on before, and off after, every other receiver of those events."""
-
-    def sync_on(state: Any) -> None:
-        if state.batch_idx == 1:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def sync_off(state: Any) -> None:
-        if state.batch_idx == last:
-            torch.cuda.set_sync_debug_mode(0)
-
-    trainer.connect("batch_start", sync_on, priority=10**9)
-    trainer.connect("batch_end", sync_off, priority=-(10**9))
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        trainer.unsubscribe(sync_on)
-        trainer.unsubscribe(sync_off)
 
 
 def _vectors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +145,7 @@ def test_replay_steps_do_not_synchronise(name, precision):
     if name == "der++ images":
         assert buffer.dataset()[0][0].dtype == torch.uint8  # raw images are stored
     seen = buffer.num_seen
-    with _sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
+    with sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
         learner.fit(loader)
     assert buffer.num_seen == seen + BATCH * BATCHES
 
@@ -179,6 +156,6 @@ def test_steps_from_a_buffer_on_the_device_do_not_synchronise(precision):
     its slots: those batches are gathered on the device without a blocking copy or a read."""
     learner, data = _gdumb(precision)
     learner.fit(TensorDataset(*data))  # warm-up
-    with _sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
+    with sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
         result = learner.fit(TensorDataset(*data))
     assert result.steps == BATCHES
