@@ -35,6 +35,7 @@ if [ -z "$DRY" ]; then
     NPROC=$($PY -c "import os; print(min(12, os.cpu_count() or 1))")
     XDIST=""
     $PY -c "import xdist" 2>/dev/null && XDIST="-n $NPROC"
-    timeout "$SUITE_S" $PY -m pytest -q -p no:cacheprovider $XDIST -rfE 2>&1 \
-        | tee "$OUT/suite.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+    # -v logs each result as it comes, so failures are known even if the time limit cuts the run
+    timeout "$SUITE_S" $PY -m pytest -v -p no:cacheprovider $XDIST -rfE -W ignore 2>&1 \
+        | tee "$OUT/suite.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
 fi

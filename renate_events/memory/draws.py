@@ -24,10 +24,13 @@ SAMPLE_SEED_OFFSET = 0x9E3779B97F4A7C15
 
 
 def indices_to(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy CPU-drawn indices to ``device``; to a GPU through pinned memory, without waiting."""
-    if indices.device == device:
-        return indices
-    if device.type == "cuda":
+    """Copy CPU-drawn indices to ``device``; to a GPU through pinned memory, without waiting.
+
+    Indices already on an accelerator (given by the caller, e.g. ``set_metadata`` with the
+    ``idx`` that ``sample`` returned) are moved with a plain ``to``: only CPU tensors can be
+    pinned, and ``torch.device("cuda")`` differs from the ``cuda:0`` a tensor reports.
+    """
+    if indices.device.type == "cpu" and device.type == "cuda":
         return indices.pin_memory().to(device, non_blocking=True)
     return indices.to(device)
 
