@@ -183,5 +183,6 @@ SPEC = register(
         "COntinual Decomposed Attention-based Prompting for Rehearsal-Free Continual Learning', "
         "CVPR 2023)",
         uses_memory=False,
+        model="vit",
     )
 )

@@ -162,5 +162,6 @@ SPEC = register(
         "matching, prefix-tuning a frozen Vision Transformer (Wang et al., 'DualPrompt: "
         "Complementary Prompting for Rehearsal-free Continual Learning', ECCV 2022)",
         uses_memory=False,
+        model="vit",
     )
 )

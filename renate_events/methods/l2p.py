@@ -133,5 +133,6 @@ SPEC = register(
         summary="L2P: a pool of prompts chosen by key-query matching, on a frozen Vision "
         "Transformer (Wang et al., 'Learning to Prompt for Continual Learning', CVPR 2022)",
         uses_memory=False,
+        model="vit",
     )
 )

@@ -124,7 +124,7 @@ def test_a_model_that_is_not_a_vit_is_refused_before_anything_changes(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_registered_with_its_paper_and_schema(name):
     spec = method(name)
-    assert not spec.uses_memory and spec.classifier == "logits"
+    assert not spec.uses_memory and spec.classifier == "logits" and spec.model == "vit"
     assert any(venue in spec.summary for venue in ("CVPR 2022", "ECCV 2022", "CVPR 2023"))
     schema = hyperparameters(name)
     for key in SMALL_ARGS[name]:
