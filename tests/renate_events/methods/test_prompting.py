@@ -226,3 +226,35 @@ def test_the_step_makes_no_host_sync_on_cuda(name):
             learner.training_step(batch)["loss"].backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_the_command_line_runs_updates_and_evaluates_a_prompt_method(name, tmp_path, capsys):
+    import json
+
+    import safetensors.torch
+
+    from renate_events.cli import main
+    from tests.renate_events.test_datasets_cifar import write_cifar10
+
+    write_cifar10(tmp_path / "c" / "cifar-10-batches-bin", per_class=2, test_per_class=1)
+    out = tmp_path / "out"
+    argv = ["run", "--scenario", "seq-cifar10", "--data-dir", str(tmp_path / "c"), "--model"]
+    argv += ["vit", "--model-args", "{dim = 32, depth = 2, patch_size = 8}", "--learner", name]
+    argv += ["--epochs", "1", "--no-progress", "--device", "cpu", "--batch-size", "8"]
+    hyper = {"dualprompt": ["--g-prompt-layers", "[0]", "--e-prompt-layers", "[1]"]}
+    hyper["coda-prompt"] = ["--prompt-layers", "[0, 1]", "--pool-size", "10", "--num-tasks", "5"]
+    assert main([*argv, *hyper.get(name, []), "--output-dir", str(out)]) == 0
+    state = out / "state" / "seed-0"
+    manifest = json.loads((state / "manifest.json").read_text())
+    assert manifest["learner"] == name
+    assert any(key.startswith("backbone.prompt.") for key in manifest["model"])
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    data = tmp_path / "new.safetensors"
+    safetensors.torch.save_file({"inputs": images, "targets": torch.arange(8) % 10}, str(data))
+    argv = ["update", "--input-state", str(state), "--data", str(data)]
+    assert main([*argv, "--output-state", str(tmp_path / "next"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]) == 0
+    assert "task 0: accuracy" in capsys.readouterr().out
