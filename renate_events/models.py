@@ -394,10 +394,15 @@ def vit(
     dim: int = 128,
     depth: int = 6,
     heads: int = 4,
+    mlp_dim: int = 0,
+    layer_norm_eps: float = 1e-5,
 ) -> ClassificationModel:
     """A small Vision Transformer: patch embedding, ``depth`` pre-norm encoder blocks, the class
     token's features to the head (the backbone is a
-    :class:`~renate_events.vision_transformer.ViTBackbone`, which the prompt methods prompt)."""
+    :class:`~renate_events.vision_transformer.ViTBackbone`, which the prompt methods prompt).
+
+    ``mlp_dim`` is the blocks' MLP width (0: ``4 * dim``), ``layer_norm_eps`` the layer norms'
+    epsilon (a pretrained Hugging Face ViT's ``1e-12``, :mod:`renate_events.pretrained`)."""
     check_int("vit: num_classes", num_classes, 1)
     check_int("vit: patch_size", patch_size, 1)
     check_int("vit: image_size", image_size, patch_size)
@@ -410,7 +415,12 @@ def vit(
     if dim % heads:
         raise ValueError(f"vit: dim {dim} is not a multiple of heads {heads}")
     check_int("vit: depth", depth, 1)
-    backbone = ViTBackbone(image_size, patch_size, in_channels, dim, depth, heads)
+    check_int("vit: mlp_dim", mlp_dim, 0)
+    if not (isinstance(layer_norm_eps, float) and 0 < layer_norm_eps < 1):
+        raise ValueError(f"vit: layer_norm_eps must be a number in (0, 1), got {layer_norm_eps!r}")
+    backbone = ViTBackbone(
+        image_size, patch_size, in_channels, dim, depth, heads, mlp_dim or None, layer_norm_eps
+    )
     features = [f"backbone.blocks.{i}" for i in range(depth)]
     name = f"vit(image_size={image_size}, patch_size={patch_size}, dim={dim}, depth={depth})"
     return ClassificationModel(backbone, nn.Linear(dim, num_classes), features, name)

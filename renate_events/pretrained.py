@@ -23,18 +23,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from renate_events.models import ClassificationModel
-from renate_events.vision_transformer import ViTBackbone
+from renate_events.models import ClassificationModel, vit
 
 __all__ = ["PretrainedModelError", "backbone_state", "pretrained_vit"]
 
@@ -103,7 +102,7 @@ def _block(path: str, state: Mapping[str, torch.Tensor], layer: int) -> dict[str
 
 
 def backbone_state(path: str, state: Mapping[str, torch.Tensor], depth: int) -> dict[str, Any]:
-    """A Hugging Face ViT's weights as a :class:`ViTBackbone`'s state dict (``depth`` blocks).
+    """A Hugging Face ViT's weights as a backbone's state dict (``depth`` blocks).
 
     Raises:
         PretrainedModelError: A tensor is missing (the message names its key).
@@ -152,6 +151,23 @@ def _architecture_of_tensors(
     }
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bar and only errors from transformers while a folder is read (a command's
+    error is then its one line), its settings put back after."""
+    from transformers.utils import logging as hf_logging
+
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def _from_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A ``save_pretrained`` folder read by transformers (no download): the backbone's arguments
     and the model's weights."""
@@ -163,11 +179,13 @@ def _from_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             "reading a Hugging Face folder needs transformers: pip install transformers "
             "(or give its model.safetensors file, read without it)",
         ) from None
-    try:
-        config = ViTConfig.from_pretrained(path, local_files_only=True)
-        model = ViTModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
-    except (OSError, ValueError) as exc:
-        raise _fail(path, f"not a Hugging Face ViT folder ({str(exc).splitlines()[0]})") from None
+    with _quiet_transformers():
+        try:
+            config = ViTConfig.from_pretrained(path, local_files_only=True)
+            model = ViTModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
+        except (OSError, ValueError) as exc:
+            first = str(exc).splitlines()[0]
+            raise _fail(path, f"not a Hugging Face ViT folder ({first})") from None
     if config.hidden_act != "gelu":
         raise _fail(path, f"key 'hidden_act' is {config.hidden_act!r}; the backbone uses 'gelu'")
     architecture = {
@@ -200,8 +218,8 @@ def _from_file(path: str, heads: int | None) -> tuple[dict[str, Any], dict[str, 
 def pretrained_vit(
     path: str | os.PathLike[str], num_classes: int, heads: int | None = None
 ) -> ClassificationModel:
-    """A zoo-style ViT (``backbone`` and a fresh linear ``head``) with a Hugging Face ViT's
-    pretrained weights.
+    """The zoo's :func:`~renate_events.models.vit` of a Hugging Face ViT's architecture, its
+    backbone holding that ViT's pretrained weights and a fresh linear ``head``.
 
     Args:
         path: A folder written by ``save_pretrained`` (read with ``transformers``, never
@@ -224,7 +242,9 @@ def pretrained_vit(
     dim, given = architecture["dim"], architecture["heads"]
     if not isinstance(given, int) or given < 1 or dim % given:
         raise _fail(path, f"{given!r} heads do not divide the width {dim}")
-    backbone = ViTBackbone(**architecture)
+    eps = float(architecture.pop("eps"))
+    model = vit(num_classes, **architecture, layer_norm_eps=eps)
+    backbone = model.backbone
     weights = backbone_state(path, state, architecture["depth"])
     expected = backbone.state_dict()
     for key, value in weights.items():
@@ -235,6 +255,4 @@ def pretrained_vit(
                 f"{tuple(expected[key].shape)}",
             )
     backbone.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
-    name = f"pretrained-vit({os.path.basename(path.rstrip(os.sep))}, dim={dim})"
-    features = [f"backbone.blocks.{i}" for i in range(architecture["depth"])]
-    return ClassificationModel(backbone, nn.Linear(dim, num_classes), features, name)
+    return model

@@ -122,6 +122,7 @@ class ViTBackbone(nn.Module):
         self.patch_size = patch_size
         self.in_channels = in_channels
         self.dim, self.depth, self.heads, self.mlp_dim = dim, depth, heads, mlp_dim
+        self.eps = eps
         self.prompt: nn.Module | None = None
 
     def attach_prompt(self, prompt: nn.Module) -> None:
