@@ -9,7 +9,8 @@ reservoir of 200; EWC and LwF keep no memory) on Split-Digits (class-incremental
 tasks) and prints average accuracy (class- and task-incremental), forgetting and wall time per
 run. Every method of the registry (``renate_events.methods.METHODS``) has a row: those above
 under their names, any other under its registry name with its defaults, its memory, features and
-classifier as its spec declares them.
+classifier as its spec declares them (but those whose spec needs a Vision Transformer, measured
+by ``benchmarks/prompt_step.py``).
 
 Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
 """
@@ -52,9 +53,12 @@ METHODS = {
     "iCaRL": ("icarl", {"feature_modules": ["1"]}),
     "Joint": ("joint", {}),
 }
-# A row for every other registered method (a new method module shows up here unchanged).
+# A row for every other registered method that trains any model (a new method module shows up
+# here unchanged); those that prompt a ViT are measured by benchmarks/prompt_step.py.
 _COVERED = {name for name, _ in METHODS.values()}
-METHODS.update({name: (name, {}) for name in LEARNERS if name not in _COVERED})
+METHODS.update(
+    {name: (name, {}) for name in LEARNERS if name not in _COVERED and SPECS[name].model == "any"}
+)
 
 
 def run(method: str, seed: int, epochs: int) -> dict[str, float]:

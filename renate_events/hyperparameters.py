@@ -38,6 +38,7 @@ KINDS = {
     "bool": "true or false",
     "str": "a string",
     "Sequence[str]": 'a list of strings such as ["layer1", "layer2"]',
+    "Sequence[int]": "a list of ints such as [0, 1]",
 }
 """The annotations a hyperparameter may have, and how a message names each."""
 
@@ -116,6 +117,7 @@ def _of_kind(kind: str, value: Any) -> Any:
         return value if isinstance(value, bool) else _WRONG
     if kind == "str":
         return value if isinstance(value, str) else _WRONG
-    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-        return list(value)
-    return _WRONG
+    if not isinstance(value, (list, tuple)):
+        return _WRONG
+    item_kind = validators.is_int if kind == "Sequence[int]" else (lambda i: isinstance(i, str))
+    return list(value) if all(item_kind(item) for item in value) else _WRONG

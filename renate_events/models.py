@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from renate_events.vision_transformer import ViTBackbone
 from trainer.validators import WrongTypeError, check_int
 from trainer.validators import is_int as validators_is_int
 
@@ -385,43 +386,6 @@ def resnet32(num_classes: int, in_channels: int = 3) -> ClassificationModel:
     return _resnet("resnet32", num_classes, in_channels, (16, 32, 64), (5, 5, 5))
 
 
-class _ViTBackbone(nn.Module):
-    def __init__(
-        self, image_size: int, patch_size: int, in_channels: int, dim: int, depth: int, heads: int
-    ) -> None:
-        super().__init__()
-        patches = (image_size // patch_size) ** 2
-        self.patch = nn.Conv2d(in_channels, dim, patch_size, patch_size)
-        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
-        self.position = nn.Parameter(torch.randn(1, patches + 1, dim) * 0.02)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(
-                dim,
-                heads,
-                4 * dim,
-                dropout=0.0,
-                activation="gelu",
-                batch_first=True,
-                norm_first=True,
-            )
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(dim)
-        self.image_size = image_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2:] != (self.image_size, self.image_size):
-            raise ValueError(
-                f"vit: images must be {self.image_size}x{self.image_size}, got "
-                f"{tuple(x.shape[-2:])}; build it with image_size={x.shape[-1]}"
-            )
-        tokens = self.patch(x).flatten(2).transpose(1, 2)
-        tokens = torch.cat([self.cls.expand(len(x), -1, -1), tokens], dim=1) + self.position
-        for block in self.blocks:
-            tokens = block(tokens)
-        return self.norm(tokens[:, 0])
-
-
 def vit(
     num_classes: int,
     image_size: int = 32,
@@ -430,9 +394,15 @@ def vit(
     dim: int = 128,
     depth: int = 6,
     heads: int = 4,
+    mlp_dim: int = 0,
+    layer_norm_eps: float = 1e-5,
 ) -> ClassificationModel:
     """A small Vision Transformer: patch embedding, ``depth`` pre-norm encoder blocks, the class
-    token's features to the head."""
+    token's features to the head (the backbone is a
+    :class:`~renate_events.vision_transformer.ViTBackbone`, which the prompt methods prompt).
+
+    ``mlp_dim`` is the blocks' MLP width (0: ``4 * dim``), ``layer_norm_eps`` the layer norms'
+    epsilon (a pretrained Hugging Face ViT's ``1e-12``, :mod:`renate_events.pretrained`)."""
     check_int("vit: num_classes", num_classes, 1)
     check_int("vit: patch_size", patch_size, 1)
     check_int("vit: image_size", image_size, patch_size)
@@ -445,7 +415,12 @@ def vit(
     if dim % heads:
         raise ValueError(f"vit: dim {dim} is not a multiple of heads {heads}")
     check_int("vit: depth", depth, 1)
-    backbone = _ViTBackbone(image_size, patch_size, in_channels, dim, depth, heads)
+    check_int("vit: mlp_dim", mlp_dim, 0)
+    if not (isinstance(layer_norm_eps, float) and 0 < layer_norm_eps < 1):
+        raise ValueError(f"vit: layer_norm_eps must be a number in (0, 1), got {layer_norm_eps!r}")
+    backbone = ViTBackbone(
+        image_size, patch_size, in_channels, dim, depth, heads, mlp_dim or None, layer_norm_eps
+    )
     features = [f"backbone.blocks.{i}" for i in range(depth)]
     name = f"vit(image_size={image_size}, patch_size={patch_size}, dim={dim}, depth={depth})"
     return ClassificationModel(backbone, nn.Linear(dim, num_classes), features, name)

@@ -47,6 +47,7 @@ from renate_events.cli._zoo import (
     MAX_PARAMETERS,
     mlp,
     parameter_count,
+    pretrained_model,
     resolved_model,
     scenario_tasks,
     spec_transforms,
@@ -161,6 +162,9 @@ def _run_model(
     """The seed's fresh model and what the manifest records of it: the command line's MLP on
     the digits scenarios (as before zoo models existed), a zoo model on the image ones."""
     classes = 1 + max(max(task.classes) for task in tasks)
+    if options.scenario in IMAGE_SCENARIOS and options.pretrained is not None:
+        torch.manual_seed(seed)  # the new head's
+        return pretrained_model(options, tasks, classes)
     if options.scenario in IMAGE_SCENARIOS:
         spec = zoo_spec_for_run(options, tasks, classes)
         torch.manual_seed(seed)

@@ -28,6 +28,7 @@ __all__ = [
     "mlp",
     "model_spec",
     "parameter_count",
+    "pretrained_model",
     "resolved_model",
     "scenario_tasks",
     "spec_transforms",
@@ -100,6 +101,10 @@ def _check_zoo_args(where: str, args: Mapping[str, Any]) -> None:
     for key, value in args.items():
         if key == "hidden" and isinstance(value, list) and len(value) <= _MAX_LAYERS:
             continue
+        if key == "layer_norm_eps":  # vit's, the one number among the arguments
+            if not (checks.is_real(value) and 0 < value < 1):
+                raise ValueError(f"{where} {key} must be a number in (0, 1), got {value!r}")
+            continue
         high = _MAX_LAYERS + 1 if key == "depth" else 2**31
         checks.check_int(f"{where} {key}", value, 0, high)
 
@@ -128,10 +133,12 @@ def resolved_model(options: Any) -> Any:
             f"--no-augment is for the image scenarios {sorted(IMAGE_SCENARIOS)}; --scenario "
             f"{options.scenario} uses the bundled digits"
         )
-    model = options.model or (_IMAGE_MODEL[0] if image else "mlp")
+    _check_pretrained(options, image)
+    pretrained = options.pretrained is not None
+    model = options.model or ("vit" if pretrained else _IMAGE_MODEL[0] if image else "mlp")
     args = options.model_args
     if args is None:
-        args = dict(_IMAGE_MODEL[1]) if image and options.model is None else {}
+        args = dict(_IMAGE_MODEL[1]) if image and options.model is None and not pretrained else {}
     if not image and model != "mlp":
         raise UsageError(
             f"--model {model} takes images; --scenario {options.scenario} gives flat vectors of "
@@ -155,6 +162,71 @@ def resolved_model(options: Any) -> Any:
     if hidden is None and model == "mlp":
         hidden = list(setting("hidden").default)
     return attrs.evolve(options, model=model, model_args=args, hidden=hidden)
+
+
+def _check_pretrained(options: Any, image: bool) -> None:
+    """``--pretrained`` goes with ``--model vit`` (or none) on an image scenario, without
+    ``--model-args`` (the file gives the architecture)."""
+    path = options.pretrained
+    if path is None:
+        return
+    if not image:
+        raise UsageError(
+            f"--pretrained {path} is a ViT for images; --scenario {options.scenario} gives flat "
+            f"vectors of features: use an image scenario {sorted(IMAGE_SCENARIOS)}"
+        )
+    if options.model not in (None, "vit"):
+        raise UsageError(f"--pretrained {path} is a ViT: leave --model out or give --model vit")
+    if options.model_args:
+        raise UsageError(
+            f"--pretrained {path} gives the architecture: leave --model-args "
+            f"{options.model_args} out"
+        )
+
+
+def pretrained_model(
+    options: Any, tasks: Sequence[Any], classes: int
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``--pretrained``'s ViT with a fresh head of ``classes`` outputs, and what the manifest
+    records of it: the zoo's ``vit`` with the file's architecture (the weights are in the state
+    folder's checkpoint from then on) and the path it came from."""
+    from renate_events.pretrained import PretrainedModelError, pretrained_vit
+
+    path = options.pretrained
+    try:
+        model = pretrained_vit(path, classes)
+    except PretrainedModelError as exc:
+        raise UsageError(one_line(exc)) from None
+    backbone = model.backbone
+    shape = list(tasks[0].train.tensors[0].shape[1:])
+    takes = [backbone.in_channels, backbone.image_size, backbone.image_size]
+    if takes != shape:
+        raise UsageError(
+            f"--pretrained {path} takes images of shape {takes}, --scenario {options.scenario} "
+            f"gives {shape}"
+        )
+    args = {
+        "num_classes": classes,
+        "image_size": backbone.image_size,
+        "patch_size": backbone.patch_size,
+        "in_channels": backbone.in_channels,
+        "dim": backbone.dim,
+        "depth": backbone.depth,
+        "heads": backbone.heads,
+        "mlp_dim": backbone.mlp_dim,
+        "layer_norm_eps": backbone.eps,
+    }
+    spec = {
+        "kind": "zoo",
+        "name": "vit",
+        "args": args,
+        "inputs": shape,
+        "classes": classes,
+        "transforms": IMAGE_DATA[options.scenario][0],
+        "augment": not options.no_augment,
+        "pretrained": os.path.abspath(path),
+    }
+    return model, spec
 
 
 def scenario_tasks(scenario: str, data_dir: str | None, seed: int) -> list[Any]:

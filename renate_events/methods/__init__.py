@@ -30,6 +30,7 @@ from renate_events.methods.registry import (
     FEATURES,
     LEARNER_OBJECTS,
     METHODS,
+    MODEL_KINDS,
     MethodSpec,
     MethodSpecError,
     learner_arguments,
@@ -60,6 +61,8 @@ def _import_method_modules() -> None:
 
 _import_method_modules()
 
+from renate_events.methods._prompting import PromptModelError  # noqa: E402 - after the methods
+
 LEARNERS = {name: spec.learner for name, spec in METHODS.items()}
 """Learner classes by method name, in the order of :data:`METHODS`. ``"der"`` is
 :class:`~renate_events.methods.DarkExperienceReplayLearner` with Renate's defaults (DER++);
@@ -76,8 +79,10 @@ __all__ = [
     "LEARNERS",
     "LEARNER_OBJECTS",
     "METHODS",
+    "MODEL_KINDS",
     "MethodSpec",
     "MethodSpecError",
+    "PromptModelError",
     "learner_arguments",
     "method",
     "method_of",

@@ -26,6 +26,7 @@ __all__ = [
     "FEATURES",
     "LEARNER_OBJECTS",
     "METHODS",
+    "MODEL_KINDS",
     "MethodSpec",
     "MethodSpecError",
     "learner_arguments",
@@ -46,6 +47,10 @@ FEATURES = ("none", "hidden", "last-hidden")
 """What a method takes from the model's hidden layers: nothing; every hidden layer's output
 (distillation of intermediate features, so ``feature_modules`` must be known); the last hidden
 layer's output when the model has one (an embedding, such as iCaRL's)."""
+
+MODEL_KINDS = ("any", "vit")
+"""What model a method can train: any model, or a Vision Transformer whose backbone is a
+:class:`~renate_events.vision_transformer.ViTBackbone` (the prompt methods)."""
 
 CLASSIFIERS = ("logits", "nme")
 """How a method's model is evaluated: its own outputs, or the nearest mean of exemplars."""
@@ -132,6 +137,8 @@ class MethodSpec:
         classifier: How its model is evaluated by default (:data:`CLASSIFIERS`).
         own_buffer: True for a method that makes its own store of past data (joint training's
             store of everything), so that ``ModelUpdater`` builds no buffer for it.
+        model: What model it can train (:data:`MODEL_KINDS`): ``"vit"`` for a method that
+            prompts a frozen Vision Transformer.
     """
 
     name: str = attrs.field(validator=_name)
@@ -146,6 +153,7 @@ class MethodSpec:
     features: str = attrs.field(default="none", validator=_one_of(FEATURES))
     classifier: str = attrs.field(default="logits", validator=_one_of(CLASSIFIERS))
     own_buffer: bool = attrs.field(default=False, validator=validators.boolean)
+    model: str = attrs.field(default="any", validator=_one_of(MODEL_KINDS))
 
     @default_buffer.validator
     def _default_buffer(self, attribute: attrs.Attribute[Any], value: Any) -> None:

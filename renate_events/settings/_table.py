@@ -138,6 +138,13 @@ _ALL = (
         variants={"update": {"help": "model (a check: the input state's model must be this one)"}},
     ),
     Setting(
+        "pretrained",
+        "with --model vit on an image scenario: a Hugging Face ViT to start from, its "
+        "save_pretrained folder or model.safetensors file (never downloaded; its architecture "
+        "replaces --model-args)",
+        metavar="PATH",
+    ),
+    Setting(
         "model_args",
         "the model's arguments as a TOML or JSON table: '{nf = 20}', '{\"dim\": 64}' "
         "(num_classes, inputs, in_channels and image_size come from the scenario)",
@@ -516,7 +523,7 @@ _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": (
         *("config", "scenario", "data_dir", "no_augment", "chunks", "seeds", "hidden"),
-        *("model", "model_args", "output_dir", *_TRAINING, *_SELECTION),
+        *("model", "pretrained", "model_args", "output_dir", *_TRAINING, *_SELECTION),
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),

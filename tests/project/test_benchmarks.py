@@ -112,3 +112,16 @@ def test_replay_step_resnet_checks_the_losses_and_writes_its_page(tmp_path):
     assert "losses agree over 2 steps" in out
     assert re.search(r"library / bare: \d+\.\d{3}x \(target <= 1\.10x: (met|NOT met)\)", out)
     assert "$ python benchmarks/replay_step_resnet.py --quick --nf 2" in text
+
+
+@pytest.mark.slow
+def test_prompt_step_measures_every_prompt_method_and_writes_its_page(tmp_path):
+    page = tmp_path / "prompt_step.md"
+    _run(
+        "prompt_step.py", "--quick", "--dim", "32", "--depth", "5", "--heads", "4",
+        "--batch", "4", "--markdown", str(page),
+    )  # fmt: skip
+    text = page.read_text(encoding="utf-8")
+    for row in ("fine-tuning", "l2p", "dualprompt", "coda-prompt"):
+        assert f"| {row} |" in text, row
+    assert "| fine-tuning | " in text and "1.00x" in text
