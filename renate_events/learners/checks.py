@@ -17,7 +17,7 @@ from renate_events.memory import DataBuffer
 from renate_events.models import MultiHeadClassificationModel
 from trainer import validators
 
-__all__ = ["DataChecks", "check_task_ids"]
+__all__ = ["DataChecks", "check_task_ids", "output_classes"]
 
 
 def check_task_ids(task_ids: Any, size: int, where: str) -> None:
@@ -34,6 +34,19 @@ def check_task_ids(task_ids: Any, size: int, where: str) -> None:
             f"dtype {task_ids.dtype} and shape {tuple(task_ids.shape)}; convert them with "
             "torch.as_tensor(ids, dtype=torch.int64)"
         )
+
+
+def output_classes(outputs: Any) -> int:
+    """The number of classes of a model's ``outputs`` for class labels: ``(batch, classes)``
+    logits. Another shape (``(batch, 4, 1)``) is refused with the shape: the losses, the
+    buffer's logits and evaluation read the classes along dimension 1."""
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
+        shown = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs)
+        raise ValueError(
+            f"the model's outputs have the shape {shown}; class labels need (batch, classes) "
+            "logits: flatten the outputs (e.g. end the model with torch.nn.Flatten())"
+        )
+    return int(outputs.shape[1])
 
 
 def _check_labels(labels: torch.Tensor, classes: int, what: str) -> None:
@@ -168,11 +181,11 @@ class DataChecks:
         """The model's outputs for ``probe`` (through the head of the first sample's task id; a
         head still to be added has the model's ``num_outputs``)."""
         if task_ids is None:
-            return self._forward(probe).shape[-1]
+            return output_classes(self._forward(probe))
         model, first = self.model, int(task_ids[0])
         if isinstance(model, MultiHeadClassificationModel) and str(first) not in model.heads:
             return cast(int, model.num_outputs)
-        return self._forward(probe, task_ids[:1].to(model_device(model))).shape[-1]
+        return output_classes(self._forward(probe, task_ids[:1].to(model_device(model))))
 
     def _check_task_data(self, task_ids: torch.Tensor | None, size: int) -> None:
         """Task ids of a dataset (or their absence) against the model, the components, the

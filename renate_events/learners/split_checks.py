@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from renate_events.inference import inference, model_device
+from renate_events.learners.checks import output_classes
 from renate_events.learners.seeding import rng_kept
 from renate_events.memory import BufferDataset
 from trainer.data import to_device
@@ -91,13 +92,13 @@ def check_split(learner: Any, data: Any, split: str) -> None:
         if _replays(learner):
             _try_transform(learner, "buffer_transform", inputs, task_ids, split, accepted)
         return
-    _, classes = _try_transform(learner, "test_transform", inputs, task_ids, split, ())
+    _, outputs = _try_transform(learner, "test_transform", inputs, task_ids, split, ())
     tensors = getattr(data, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) in (2, 3):
         inputs, targets = tensors[:2]
     _check_finite(inputs, split)
-    if classes is not None:
-        _check_labels(targets, classes, split)
+    if outputs is not None:
+        _check_labels(targets, outputs, split)
 
 
 def _labels_probed(data: Any) -> bool:
@@ -139,10 +140,10 @@ def _first_batch(learner: Any, data: Any, split: str) -> tuple[Any, Any, Any] | 
 
 def _try_transform(
     learner: Any, name: str, inputs: Any, task_ids: Any, split: str, accepted: Any
-) -> tuple[Any, int | None]:
+) -> tuple[Any, torch.Tensor | None]:
     """The first sample of ``inputs`` through the transform ``name`` (its contract checked),
     then the model unless ``accepted`` is None or the signature the model already took:
-    ``(signature, number of outputs)`` (None for what was not run)."""
+    ``(signature, the model's outputs)`` (None for what was not run)."""
     if not isinstance(inputs, torch.Tensor):
         return None, None
     model = learner.model
@@ -163,7 +164,7 @@ def _try_transform(
             outputs = learner._forward(batch, ids)
         except Exception as exc:
             raise ValueError(_model_refused(learner, name, batch, split, exc)) from None
-    return signature, int(outputs.shape[-1])
+    return signature, outputs
 
 
 def _has_heads(model: Any, task_ids: torch.Tensor) -> bool:
@@ -201,12 +202,16 @@ def _check_finite(inputs: Any, split: str) -> None:
         )
 
 
-def _check_labels(targets: Any, classes: int, split: str) -> None:
-    """Class labels (integers, one per sample) of ``split`` in ``0..classes - 1``."""
+def _check_labels(targets: Any, outputs: torch.Tensor, split: str) -> None:
+    """Class labels (integers, one per sample) of ``split`` within the model's ``outputs``."""
     if not isinstance(targets, torch.Tensor) or targets.dim() != 1:
         return
     if targets.dtype.is_floating_point or targets.dtype.is_complex or len(targets) == 0:
         return
+    try:
+        classes = output_classes(outputs)
+    except ValueError as exc:
+        raise ValueError(f"the {split} data: {exc}") from None
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= classes:
         raise ValueError(
