@@ -205,6 +205,12 @@ _ALL = (
         "the input state, nor a part or a continuation of its history)",
         kind="flag",
         maps_onto=(_UPDATER + "overwrite",),
+        variants={
+            "run": {
+                "help": "allow --output-dir to replace the results and the state folders of an "
+                "earlier run"
+            }
+        },
     ),
     Setting(
         "accept_config_change",
@@ -516,7 +522,7 @@ _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": (
         *("config", "scenario", "data_dir", "no_augment", "chunks", "seeds", "hidden"),
-        *("model", "model_args", "output_dir", *_TRAINING, *_SELECTION),
+        *("model", "model_args", "output_dir", "overwrite", *_TRAINING, *_SELECTION),
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
