@@ -47,17 +47,16 @@ def _flags() -> dict[str, str]:
 
 def flag_words(message: str) -> str:
     """A message of the library in the command line's words: a Python argument given a value
-    (``memory_batch_size=32``) or named on its class (``ModelUpdater.memory_size``) becomes its
-    flag (``--memory-batch-size 32``, ``--memory-size``); other words stay as they are (a bare
-    ``memory_size`` in advice may be a test's words)."""
+    (``memory_batch_size=32``, ``accept_config_change=True``) becomes its flag
+    (``--memory-batch-size 32``, ``--accept-config-change``). Other mentions stay as they are
+    (``LearnerClass.field must be ...`` is learner_message's
+    job; a bare name in advice may be a test's words)."""
     flags = _flags()
-    named = set(re.findall(r"(?<![\w./-])(\w+)=", message))
-    named |= set(re.findall(r"\b(?:\w*Learner|ModelUpdater|Trainer)\.(\w+)\b", message))
-    for name in sorted(named & set(flags), key=len, reverse=True):
+    named = set(re.findall(r"(?<![\w./-])(\w+)=", message)) & set(flags)
+    for name in sorted(named, key=len, reverse=True):
         flag = flags[name]
         if f"{name}=True" in flags:
             message = re.sub(rf"(?<![\w./-]){name}=True\b", flag, message)
-        message = re.sub(rf"\b(?:\w*Learner|ModelUpdater|Trainer)\.{name}\b", flag, message)
         message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
     return message
 
