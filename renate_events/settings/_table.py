@@ -110,9 +110,10 @@ _ALL = (
     ),
     Setting(
         "chunks",
-        "with --config-file: the number of updates (data_fn's chunks 0..N-1)",
+        "with --config-file: the number of updates (data_fn's chunks 0..N-1; at least 2, "
+        "since forgetting and transfer compare updates)",
         kind="int",
-        low=1,
+        low=2,
         high=10**6,
     ),
     Setting(

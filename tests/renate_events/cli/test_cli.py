@@ -261,6 +261,24 @@ def test_update_replaces_another_lineages_state_only_with_overwrite(tmp_path, ca
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["updates"] == 2
 
 
+def test_run_replaces_an_earlier_run_only_with_overwrite(tmp_path, capsys):
+    test_data = "\n\ndef test_data_fn(chunk_id, seed):\n    return data_fn(chunk_id, seed + 1)\n"
+    (tmp_path / "c.py").write_text(_SMALL_CONFIG + test_data)
+    out = tmp_path / "out"
+    args = ["run", "--config-file", tmp_path / "c.py", "--chunks", "2", "--output-dir", out]
+    args = [*map(str, args), "--device", "cpu", "--no-progress", "--epochs", "1"]
+    assert main(args) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    capsys.readouterr()
+    assert main([*args, "--seeds", "0", "1"]) == 2  # seed 0's state folder would be replaced
+    err = capsys.readouterr().err
+    assert "holds an earlier run's" in err and "state/seed-0" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    assert main([*args, "--overwrite"]) == 0
+    assert (out / "results.json").stat().st_mtime_ns > before[out / "results.json"]
+
+
 _NAN_CONFIG = _SMALL_CONFIG.replace(
     "def model_fn():\n    return torch.nn.Linear(4, 2)",
     '''class _NanLater(torch.nn.Linear):
