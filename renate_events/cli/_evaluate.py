@@ -159,8 +159,6 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     if options.data is not None:
         data = load_data_file(options.data)
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
-    classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
-    model = evaluated(classifier, updater.transforms)
     if options.data is not None:
         data = fitted(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
@@ -169,6 +167,9 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         tasks = scenario_tasks(options.scenario, options.data_dir, options.seed)
         for task in tasks:  # every task's labels: a later task may exceed the model's classes
             fitted(f"--scenario {options.scenario}", task.test, spec)
+    # the data checked first: the classifier's line is printed only for an evaluation that runs
+    classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
+    model = evaluated(classifier, updater.transforms)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")

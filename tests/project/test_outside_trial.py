@@ -308,6 +308,21 @@ CLI_CASES = [
     (["predict", "--state", STATE, "--data", "{w}/features.npz"], ["60 features"]),
     (["predict", "--state", STATE, "--data", "{w}/nan.npz"], ["NaN"]),
     (["predict", "--state", CFG_STATE, "--config-file", "{w}/good.py"], ["--chunk-id"]),
+    (
+        ["predict", "--state", CFG_STATE, "--config-file", "{w}/test_nan.py", "--chunk-id", "0"],
+        ["another config file"],
+    ),
+    (
+        [
+            *("predict", "--state", CFG_STATE, "--config-file", "{w}/test_nan.py"),
+            *("--chunk-id", "0", "--accept-config-change"),
+        ],
+        ["chunk 0: the test inputs hold NaN"],
+    ),
+    (
+        [*("evaluate", "--state", CFG_STATE, "--config-file", "{w}/good.py"), "--chunk-ids", "-1"],
+        ["--chunk-ids"],
+    ),
     (["predict", "--state", "{w}/not_a_state", "--data", "{w}/digits.npz"], ["not_a_state"]),
     # info
     (["info", "--state", "{w}/missing"], ["missing"]),
@@ -332,6 +347,7 @@ def test_a_bad_command_line_is_one_line_and_changes_nothing(
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert code == 2, (code, captured.out, err)
+    assert captured.out == "", captured.out  # refused before anything was printed
     lines = [line for line in err.splitlines() if not line.startswith("usage:")]
     lines = [line for line in lines if line.strip() and not line.startswith(" ")]
     assert len(lines) == 1 and "Traceback" not in err, err
