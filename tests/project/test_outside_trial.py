@@ -486,6 +486,46 @@ PYTHON_CASES = [
         StateFolderError,
         "seed-0",
     ),
+    (
+        "int32 labels",
+        lambda w, m: _updater(w, m).update(
+            TensorDataset(_data().tensors[0], _data().tensors[1].int())
+        ),
+        UpdateInputError,
+        "targets int32",
+    ),
+    (
+        "float64 inputs",
+        lambda w, m: _updater(w, m).update(
+            TensorDataset(_data().tensors[0].double(), _data().tensors[1])
+        ),
+        UpdateInputError,
+        "float64",
+    ),
+    (
+        "numpy arrays",
+        lambda w, m: _updater(w, m).update(tuple(t.numpy() for t in _data().tensors)),
+        TypeError,
+        "ndarray",
+    ),
+    (
+        "misspelt transform",
+        lambda w, m: _updater(w, m, transforms={"train_transfrom": abs}),
+        ValueError,
+        "train_transfrom",
+    ),
+    (
+        "transform not callable",
+        lambda w, m: _updater(w, m, transforms={"test_transform": 5}),
+        TypeError,
+        "callable",
+    ),
+    (
+        "task id a list",
+        lambda w, m: _updater(w, m).update(_data(), task_id=[1]),
+        TypeError,
+        "task_id",
+    ),
     ("unknown learner", lambda w, m: ModelUpdater(m, learner="nope"), ValueError, "nope"),
     (
         "epochs 0",
