@@ -133,6 +133,12 @@ def _first_batch(learner: Any, data: Any, split: str) -> tuple[Any, Any, Any] | 
         batch = next(iter(loader))
     except StopIteration:
         raise ValueError(f"the {split} data is empty; pass data, or None for no {split}") from None
+    except (RuntimeError, TypeError) as exc:  # the collate function's refusal
+        raise ValueError(
+            f"the {split} data: its first two samples cannot be made a batch "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); give (inputs, target) "
+            "samples of one shape and kind, or a collate_fn"
+        ) from None
     if not (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)):
         raise ValueError(
             f"the {split} data: batches must be (inputs, targets) or (inputs, targets, task_ids), "

@@ -304,6 +304,12 @@ def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, A
         batch = next(iter(DataLoader(data, batch_size=2, shuffle=False, collate_fn=collate_fn)))
     except StopIteration:
         raise UpdateInputError(f"{what} is empty; pass data for the update") from None
+    except (RuntimeError, TypeError, ValueError) as exc:  # the collate function's refusal
+        raise UpdateInputError(
+            f"{what}: its first two samples cannot be made a batch ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())}); give (inputs, target) samples of one shape and "
+            "kind, or a collate_fn"
+        ) from None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise UpdateInputError(
             f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"

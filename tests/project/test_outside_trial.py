@@ -526,6 +526,18 @@ PYTHON_CASES = [
         TypeError,
         "task_id",
     ),
+    (
+        "samples of two kinds",
+        lambda w, m: _updater(w, m).update([(torch.zeros(8), 1), (torch.zeros(8),)] * 4),
+        UpdateInputError,
+        "cannot be made a batch",
+    ),
+    (
+        "learner: validation samples of two kinds",
+        lambda w, m: _learner(m).fit(_data(), [(torch.zeros(8), 1), (torch.zeros(8),)] * 4),
+        ValueError,
+        "validation data: its first two samples cannot be made a batch",
+    ),
     ("unknown learner", lambda w, m: ModelUpdater(m, learner="nope"), ValueError, "nope"),
     (
         "epochs 0",
