@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 pytest.importorskip("sklearn")
 
 from renate_events.cli import main
+from tests.helpers import one_line_cli_error
 
 
 def test_run_writes_results_and_state(tmp_path, capsys):
@@ -277,6 +278,26 @@ def test_run_replaces_an_earlier_run_only_with_overwrite(tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     assert main([*args, "--overwrite"]) == 0
     assert (out / "results.json").stat().st_mtime_ns > before[out / "results.json"]
+
+
+def test_evaluate_and_predict_read_a_state_without_its_optimizer_fn(tmp_path, capsys):
+    test_data = "\n\ndef test_data_fn(chunk_id, seed):\n    return data_fn(chunk_id, seed + 1)\n"
+    plain = _SMALL_CONFIG + test_data
+    sgd = plain + "\n\ndef optimizer_fn(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
+    (tmp_path / "plain.py").write_text(plain)
+    (tmp_path / "sgd.py").write_text(sgd)
+    (tmp_path / "wider.py").write_text(plain.replace("Linear(4, 2)", "Linear(4, 3)"))
+    state = str(tmp_path / "s")
+    update = ["update", "--config-file", str(tmp_path / "sgd.py"), "--output-state", state]
+    assert main([*update, "--device", "cpu", "--no-progress", "--epochs", "1"]) == 0
+    read = ["--state", state, "--accept-config-change", "--config-file"]
+    capsys.readouterr()
+    assert main(["evaluate", *read, str(tmp_path / "plain.py")]) == 0  # it never trains
+    assert "chunk 0: accuracy" in capsys.readouterr().out
+    assert main(["predict", *read, str(tmp_path / "plain.py"), "--chunk-id", "0"]) == 0
+    assert "32 samples" in capsys.readouterr().out
+    wider = ["evaluate", *read, str(tmp_path / "wider.py")]  # the mismatch itself is said
+    one_line_cli_error(capsys, wider, "'weight' is float32 (2, 4) in the folder, float32 (3, 4)")
 
 
 _NAN_CONFIG = _SMALL_CONFIG.replace(
