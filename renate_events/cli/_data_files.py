@@ -91,12 +91,23 @@ def _read_npz(flag: str, path: str) -> dict[str, torch.Tensor]:
                     raise UsageError(
                         f"{flag} {path}: {key!r} holds {array.dtype} values; it must hold numbers"
                     )
-                arrays[key] = torch.from_numpy(
-                    array.astype(numpy.float64 if array.dtype.kind == "f" else numpy.int64)
-                )
+                arrays[key] = torch.from_numpy(_as_torch_dtype(numpy, array))
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
         raise UsageError(f"{flag} {path} is not a readable .npz file: {exc}") from exc
     return arrays
+
+
+_STORED = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8")
+"""The numpy dtypes an array keeps (torch has each); others widen to float64 or int64."""
+
+
+def _as_torch_dtype(numpy: Any, array: Any) -> Any:
+    """``array`` in its stored dtype (so that messages name it), in native byte order; a dtype
+    torch lacks (bool, uint16, float128, ...) as float64 or int64."""
+    name = array.dtype.name if array.dtype.name in _STORED else None
+    if name is None:
+        name = "float64" if array.dtype.kind == "f" else "int64"
+    return array.astype(numpy.dtype(name), copy=False)
 
 
 def _inputs(path: str, inputs: torch.Tensor) -> torch.Tensor:

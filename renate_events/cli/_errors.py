@@ -1,8 +1,11 @@
-"""The command line's usage error and its one-line messages."""
+"""The command line's usage error and its one-line messages, in the command line's words."""
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "command_line_message", "one_line"]
+import functools
+import re
+
+__all__ = ["UsageError", "command_line_message", "flag_words", "one_line"]
 
 
 class UsageError(Exception):
@@ -18,9 +21,50 @@ _PYTHON_ADVICE = (("Trainer(nonfinite_loss='skip')", "--nonfinite-loss skip"),)
 """Advice in the library's messages that names a Python argument, and the flag that sets it."""
 
 
+@functools.cache
+def _flags() -> dict[str, str]:
+    """Each Python argument a setting or a learner hyperparameter sets, and its flag
+    (``max_epochs``: ``--epochs``); arguments set under another name (``optimizer[lr]``) are
+    left out."""
+    from renate_events.hyperparameters import hyperparameters
+    from renate_events.methods import LEARNERS
+    from renate_events.settings import SETTINGS
+
+    flags = {
+        name: "--" + name.replace("_", "-")
+        for learner in LEARNERS
+        for name in hyperparameters(learner)
+    }
+    for entry in SETTINGS.values():
+        for target in entry.maps_onto:
+            argument = target.rpartition(".")[2]
+            if "[" not in argument:
+                flags[argument] = entry.flag
+                if entry.kind == "flag":  # an on/off flag takes no value
+                    flags[f"{argument}=True"] = entry.flag
+    return flags
+
+
+def flag_words(message: str) -> str:
+    """A message of the library in the command line's words: a Python argument given a value
+    (``memory_batch_size=32``, ``accept_config_change=True``) becomes its flag
+    (``--memory-batch-size 32``, ``--accept-config-change``). Other mentions stay as they are
+    (``LearnerClass.field must be ...`` is learner_message's
+    job; a bare name in advice may be a test's words)."""
+    flags = _flags()
+    named = set(re.findall(r"(?<![\w./-])(\w+)=", message)) & set(flags)
+    for name in sorted(named, key=len, reverse=True):
+        flag = flags[name]
+        if f"{name}=True" in flags:
+            message = re.sub(rf"(?<![\w./-]){name}=True\b", flag, message)
+        message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
+    return message
+
+
 def command_line_message(error: BaseException) -> str:
-    """:func:`one_line`, with the advice naming the flag instead of the Python argument."""
+    """:func:`one_line`, with the advice naming the flag instead of the Python argument, and the
+    Python arguments named by their flags (:func:`flag_words`)."""
     message = one_line(error)
     for python, flag in _PYTHON_ADVICE:
         message = message.replace(python, flag)
-    return message
+    return flag_words(message)

@@ -10,12 +10,13 @@ import attrs
 import torch
 
 from renate_events.cli._data_files import fitted, load_data_file
-from renate_events.cli._errors import UsageError
+from renate_events.cli._errors import UsageError, one_line
 from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
 from renate_events.cli._zoo import check_data_dir, scenario_tasks
 from renate_events.config import ConfigFile
 from renate_events.inference import EVAL_BATCH_SIZE, forward, inference, model_device, pinned
+from renate_events.learners import check_split
 from renate_events.methods import METHODS, method_of
 from renate_events.state_folder import read_manifest
 from renate_events.updater import dataset_tensors
@@ -68,8 +69,12 @@ class ChunkTask:
     classes: tuple[int, ...]
 
 
-def chunk_test_data(config: ConfigFile, chunk_id: int, seed: int, val: Any) -> Any:
-    """The test data of a chunk as tensors: ``test_data_fn``'s, else the validation data."""
+def chunk_test_data(
+    config: ConfigFile, chunk_id: int, seed: int, val: Any, learner: Any = None
+) -> Any:
+    """The test data of a chunk as tensors: ``test_data_fn``'s, else the validation data; with
+    a ``learner``, checked against its model before anything trains or is evaluated (labels
+    within the outputs, finite inputs, the test transform's contract: ``check_split``)."""
     test = config.test_data(chunk_id, seed)
     if test is None:
         test = val
@@ -79,7 +84,13 @@ def chunk_test_data(config: ConfigFile, chunk_id: int, seed: int, val: Any) -> A
             f"chunk {chunk_id}: the command has nothing to evaluate on"
         )
     inputs, targets = dataset_tensors(test, config.collate(), f"the test data of chunk {chunk_id}")
-    return torch.utils.data.TensorDataset(inputs, targets)
+    data = torch.utils.data.TensorDataset(inputs, targets)
+    if learner is not None:
+        try:
+            check_split(learner, data, "test")
+        except ValueError as exc:
+            raise UsageError(f"chunk {chunk_id}: {one_line(exc)}") from None
+    return data
 
 
 def _metric_means(
@@ -148,8 +159,6 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     if options.data is not None:
         data = load_data_file(options.data)
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
-    classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
-    model = evaluated(classifier, updater.transforms)
     if options.data is not None:
         data = fitted(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
@@ -158,6 +167,9 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         tasks = scenario_tasks(options.scenario, options.data_dir, options.seed)
         for task in tasks:  # every task's labels: a later task may exceed the model's classes
             fitted(f"--scenario {options.scenario}", task.test, spec)
+    # the data checked first: the classifier's line is printed only for an evaluation that runs
+    classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
+    model = evaluated(classifier, updater.transforms)
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
@@ -178,6 +190,7 @@ def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
         input_state_folder=options.state,
         validation_memory=manifest.get("validation_memory", False),
         accept_config_change=options.accept_config_change,
+        trains=False,
         **scratch_setting(options),
     )
     return config, manifest, updater
@@ -187,16 +200,16 @@ def _evaluate_from_config(options: Any) -> int:
     from renate_events import evaluation
 
     config, manifest, updater = state_with_config(options)
+    chunks = options.chunk_ids or list(range(manifest["updates"]))
+    tasks = []
+    for chunk in chunks:  # every chunk read and checked before anything is printed
+        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
+        test = chunk_test_data(config, chunk, options.seed, val, updater.learner_instance)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(ChunkTask(chunk, None, None, test, classes))
     model = for_evaluation(
         chosen_classifier(updater.learner_instance, options.classifier, options.state), config
     )
-    chunks = options.chunk_ids or list(range(manifest["updates"]))
-    tasks = []
-    for chunk in chunks:
-        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
-        test = chunk_test_data(config, chunk, options.seed, val)
-        classes = tuple(sorted(set(test.tensors[1].tolist())))
-        tasks.append(ChunkTask(chunk, None, None, test, classes))
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     metrics = config.metrics()
     for task, accuracy in zip(tasks, accuracies):

@@ -273,6 +273,8 @@ def _flag_message(flag: str, rest: str, exc: ValueError) -> str:
         return f"unknown {flag} {choice.group(2)}; choose from {choice.group(1)}"
     if not isinstance(exc, checks.WrongTypeError):
         rest = rest.replace("must be an int >= ", "must be >= ", 1)
+    # None is what leaving the option out gives: it cannot be typed, so it is not offered
+    rest = re.sub(r"^(must be .*?) or None, got ", r"\1, got ", rest)
     return f"{flag} {rest}"
 
 

@@ -71,11 +71,17 @@ def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
     chunk = options.chunk_id
     val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
     test = chunk_test_data(config, chunk, options.seed, val)
+    inputs = test.tensors[0]
+    if inputs.dtype.is_floating_point and not bool(torch.isfinite(inputs).all()):
+        raise UsageError(
+            f"chunk {chunk}: the test inputs hold NaN or infinite values; clean or drop those "
+            "samples (predict's labels for them would mean nothing)"
+        )
     classifier = own_classifier(updater.learner_instance)
     model = for_evaluation(
         method_classifier(updater.learner_instance, classifier, options.state), config
     )
-    return model, classifier, test.tensors[0]
+    return model, classifier, inputs
 
 
 def _outputs(model: torch.nn.Module, inputs: Any, state: str) -> torch.Tensor:

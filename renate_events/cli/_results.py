@@ -177,7 +177,24 @@ def check_output_dir(options: Any) -> dict[int, str | None]:
             raise UsageError(
                 f"--output-dir {options.output_dir}: {path} is in the way of the results"
             )
+    _check_no_earlier_run(options, out)
     return {seed: state_token(_state_folder(out, seed)) for seed in options.seeds}
+
+
+def _check_no_earlier_run(options: Any, out: str) -> None:
+    """What this run would replace (results files, the state folders of its seeds) is replaced
+    only with ``--overwrite``: a rerun never silently takes the place of another run."""
+    found = [name for name in _RESULT_FILES if os.path.lexists(os.path.join(out, name))]
+    found += [
+        os.path.relpath(_state_folder(out, seed), out)
+        for seed in options.seeds
+        if os.path.lexists(_state_folder(out, seed))
+    ]
+    if found and not options.overwrite:
+        raise UsageError(
+            f"--output-dir {options.output_dir} holds an earlier run's {', '.join(found)}; give "
+            "--overwrite to replace them, or another --output-dir"
+        )
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -150,7 +150,7 @@ def _prepare_config_seed(
     tasks = []
     for chunk in range(options.chunks or 0):
         train, val = config.data(chunk, seed)
-        test = chunk_test_data(config, chunk, seed, val)
+        test = chunk_test_data(config, chunk, seed, val, updater.learner_instance)
         classes = tuple(sorted(set(test.tensors[1].tolist())))
         tasks.append(ChunkTask(chunk, train, val, test, classes))
     return _Seed(seed, tasks, updater, torch.get_rng_state(), for_evaluation(updater.model, config))

@@ -55,6 +55,7 @@ def search_update(
         manifest["learner"] if manifest else setting("learner").default
     )
     _check_space(space, learner, manifest)
+    _check_not_given(space, overrides, hyper, options.config)
     if "lr" in space and config.has("optimizer_fn"):
         raise UsageError(
             f"--search: lr: {config.path} defines optimizer_fn, which sets the learning rate; "
@@ -127,6 +128,21 @@ def _check_space(space: Mapping[str, Any], learner: str, manifest: Any) -> None:
                     check_value(candidate, name, value)
                 except HyperparameterError as exc:
                     raise UsageError(f"--search: {exc}") from None
+
+
+def _check_not_given(
+    space: Mapping[str, Any], overrides: Mapping[str, Any], hyper: Mapping[str, Any], where: Any
+) -> None:
+    """A searched name is not also given a value (``--epochs 3`` beside a searched ``epochs``):
+    the search would set it in every trial, so the value given would be silently ignored."""
+    for name in sorted(space):
+        value = hyper.get(name, overrides.get(name))
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"--search: {name} is searched (in {where}) and given as {flag} {value}; leave "
+                f"{flag} out, or take {name} out of the search space"
+            )
 
 
 def _try_every_value(runner: Any, space: Mapping[str, Any], current: Any) -> None:

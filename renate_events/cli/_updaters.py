@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.optim import Optimizer
 
 from renate_events.choices import default_buffer
 from renate_events.cli._errors import UsageError
@@ -20,7 +21,9 @@ from renate_events.methods import method
 from renate_events.models import build_model
 from renate_events.settings import COMMANDS, check_device, setting
 from renate_events.state_folder import StateFolderError, read_manifest
+from renate_events.state_folder.manifest import CHECKPOINT
 from renate_events.updater import ModelUpdater, UpdateInputError
+from trainer.checkpoint import read_checkpoint
 
 __all__ = [
     "config_updater",
@@ -94,10 +97,16 @@ def feature_modules(learner: str, kwargs: dict[str, Any], model: torch.nn.Module
 
 
 def optimizer_setting(
-    overrides: Mapping[str, Any], manifest: Mapping[str, Any] | None, config: ConfigFile | None
+    overrides: Mapping[str, Any],
+    manifest: Mapping[str, Any] | None,
+    config: ConfigFile | None,
+    trains: bool = True,
+    folder: str | None = None,
 ) -> dict[str, Any]:
     """``{"optimizer": ...}`` for :class:`ModelUpdater`, or nothing when ``optimizer_fn`` makes
-    it."""
+    it. An updater that only reads the state ``folder`` (``trains`` false: ``evaluate``,
+    ``predict``) needs no ``optimizer_fn``: its optimizer, of the class the checkpoint names,
+    only takes the checkpoint's optimizer state and never steps."""
     if config is not None and config.has("optimizer_fn"):
         for option in _OPTIMIZER_OPTIONS:
             if overrides.get(option) is not None:
@@ -108,12 +117,32 @@ def optimizer_setting(
                 )
         return {}
     saved = None if manifest is None else manifest["optimizer"]
+    if saved is not None and "function" in saved and not trains and folder is not None:
+        return {"optimizer": _SavedOptimizerClass(os.path.join(folder, CHECKPOINT))}
     if saved is not None and "function" in saved:
         raise UsageError(
             f"the state folder's optimizer came from a config file's optimizer_fn "
             f"({saved['function']}); pass that --config-file"
         )
     return {"optimizer": optimizer_spec(saved or _default_optimizer(), overrides)}
+
+
+@attrs.frozen
+class _SavedOptimizerClass:
+    """``f(params)``: an optimizer of the class a checkpoint was written with (read once it is
+    called), for an updater that reads a state and never trains it."""
+
+    path: str
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        name = read_checkpoint(self.path)["trainer"]["optimizer_class"]
+        optimizer_class = getattr(torch.optim, str(name), None)
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise UsageError(
+                f"{self.path}: the optimizer {name!r} came from the state's optimizer_fn and is "
+                "not one of torch.optim; pass the --config-file that defines it"
+            )
+        return optimizer_class(params)
 
 
 def _default_optimizer() -> dict[str, Any]:
@@ -200,10 +229,11 @@ def config_updater(
     overrides: Mapping[str, Any],
     hyper: Mapping[str, Any],
     manifest: Mapping[str, Any] | None,
+    trains: bool = True,
     **kwargs: Any,
 ) -> ModelUpdater:
     """A :class:`ModelUpdater` from a config file and the options, built and loaded (so that
-    every check runs before training)."""
+    every check runs before training); ``trains`` false for one that only reads the state."""
     model = config.model()
     learner, buffer, learner_kwargs = learner_settings(overrides, hyper, manifest)
     if manifest is None:
@@ -219,7 +249,7 @@ def config_updater(
             buffer_storage=_buffer_storage(overrides, manifest),
             trainer_kwargs=trainer_setting(overrides, manifest, folder),
             metadata={} if manifest is None else manifest["metadata"],
-            **optimizer_setting(overrides, manifest, config),
+            **optimizer_setting(overrides, manifest, config, trains, folder),
             **kwargs,
         )
         updater.learner_instance  # noqa: B018 - builds and loads, so that errors come now

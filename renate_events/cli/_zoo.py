@@ -256,6 +256,7 @@ def zoo_spec_for_run(options: Any, tasks: Sequence[Any], classes: int) -> dict[s
         "hidden": options.hidden,
     }
     takes = inspect.signature(MODELS[name]).parameters
+    _check_own_arguments(name, takes, options.model_args or {})
     args = {**(options.model_args or {}), **{k: v for k, v in data.items() if k in takes}}
     try:
         _check_zoo_args("--model-args", options.model_args or {})
@@ -280,6 +281,22 @@ def zoo_spec_for_run(options: Any, tasks: Sequence[Any], classes: int) -> dict[s
             f"command line builds models of at most {4 * MAX_PARAMETERS}"
         )
     return spec
+
+
+def _check_own_arguments(name: str, takes: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """``--model-args`` names only arguments the user gives: the model's, less those the
+    command line fills from the scenario's data (the message lists only the user's own)."""
+    own = {p: spec for p, spec in takes.items() if p not in (*_INFERRED, "hidden")}
+    unknown = sorted(set(given) - set(own))
+    if unknown:
+        listed = ", ".join(
+            p if spec.default is spec.empty else f"{p}={spec.default!r}" for p, spec in own.items()
+        )
+        rest = f"its own arguments are {listed}" if listed else "it takes no argument of its own"
+        raise UsageError(
+            f"--model-args: --model {name} does not take {unknown}; {rest} (the command line "
+            "fills in the rest from the scenario's data)"
+        )
 
 
 def _zoo_on_meta(name: str, args: Mapping[str, Any]) -> torch.nn.Module:

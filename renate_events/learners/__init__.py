@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from renate_events.learners.base import BaseExperienceReplayLearner
 from renate_events.learners.batches import buffer_loader, refuse_task_data, unpack, unpack_task
-from renate_events.learners.checks import DataChecks, check_task_ids
+from renate_events.learners.checks import TRANSFORM_EXAMPLE, DataChecks, check_task_ids
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling, buffer_metadata
 from renate_events.learners.loaded import LoadLimits, loading_limits
 from renate_events.learners.seeding import derived_seed, reset_parameters, rng_kept
 from renate_events.learners.split_checks import (
-    TRANSFORM_EXAMPLE,
     SampleList,
     as_dataset,
+    check_labels,
     check_split,
     check_splits,
 )
@@ -50,6 +50,7 @@ __all__ = [
     "buffer_copy",
     "buffer_loader",
     "buffer_metadata",
+    "check_labels",
     "check_split",
     "check_splits",
     "check_task_ids",

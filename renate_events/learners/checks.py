@@ -17,7 +17,19 @@ from renate_events.memory import DataBuffer
 from renate_events.models import MultiHeadClassificationModel
 from trainer import validators
 
-__all__ = ["DataChecks", "check_task_ids"]
+__all__ = [
+    "TRANSFORM_EXAMPLE",
+    "DataChecks",
+    "check_task_ids",
+    "model_refused",
+    "output_classes",
+]
+
+TRANSFORM_EXAMPLE = (
+    "e.g. lambda x: x.float() / 255 for uint8 images, or the presets of "
+    "renate_events.transforms (docs/images.rst, 'Transforms'; docs/own_model.rst, 'The contract')"
+)
+"""Where a missing transform's error points: the docs' example of a transform."""
 
 
 def check_task_ids(task_ids: Any, size: int, where: str) -> None:
@@ -34,6 +46,39 @@ def check_task_ids(task_ids: Any, size: int, where: str) -> None:
             f"dtype {task_ids.dtype} and shape {tuple(task_ids.shape)}; convert them with "
             "torch.as_tensor(ids, dtype=torch.int64)"
         )
+
+
+def model_refused(learner: Any, name: str, batch: torch.Tensor, split: str, exc: Exception) -> str:
+    """The message of a model failing on a split's batch (through the transform ``name``): where
+    no transform makes the raw (``uint8``) inputs floats, the transform to define."""
+    shown = f"{str(batch.dtype).replace('torch.', '')} {tuple(batch.shape)}"
+    raised = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    where = f"the {split} data" + (
+        " as the buffer replays it" if name == "buffer_transform" else ""
+    )
+    if getattr(learner, name) is not None:
+        return f"{where}: the model fails on its inputs through {name} ({shown}): {raised}"
+    floating = any(p.dtype.is_floating_point for p in learner.model.parameters())
+    if floating and not batch.dtype.is_floating_point:
+        return (
+            f"{where}: the model fails on the raw {shown} inputs ({raised}); no {name} is set to "
+            f"make them floats: define {name} (the learner's argument, or the function {name}() "
+            f"of a config file), {TRANSFORM_EXAMPLE}"
+        )
+    return f"{where}: the model fails on its inputs ({shown}, no {name}): {raised}"
+
+
+def output_classes(outputs: Any) -> int:
+    """The number of classes of a model's ``outputs`` for class labels: ``(batch, classes)``
+    logits. Another shape (``(batch, 4, 1)``) is refused with the shape: the losses, the
+    buffer's logits and evaluation read the classes along dimension 1."""
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
+        shown = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs)
+        raise ValueError(
+            f"the model's outputs have the shape {shown}; class labels need (batch, classes) "
+            "logits: flatten the outputs (e.g. end the model with torch.nn.Flatten())"
+        )
+    return int(outputs.shape[1])
 
 
 def _check_labels(labels: torch.Tensor, classes: int, what: str) -> None:
@@ -139,7 +184,16 @@ class DataChecks:
                 probe = inputs[:1].to(model_device(self.model))
                 with rng_kept(probe):
                     probe = self._transformed("train_transform", probe, 1)
-                classes = self._probe_classes(probe, task_ids)
+                try:
+                    classes = self._probe_classes(probe, task_ids)
+                except ValueError:
+                    raise
+                except (
+                    Exception
+                ) as exc:  # the model refuses the sample: said as check_split says it
+                    raise ValueError(
+                        model_refused(self, "train_transform", probe, "training", exc)
+                    ) from None
         finally:
             self.model.train(was_training)
         for name in ("train_target_transform", "buffer_target_transform"):
@@ -168,11 +222,11 @@ class DataChecks:
         """The model's outputs for ``probe`` (through the head of the first sample's task id; a
         head still to be added has the model's ``num_outputs``)."""
         if task_ids is None:
-            return self._forward(probe).shape[-1]
+            return output_classes(self._forward(probe))
         model, first = self.model, int(task_ids[0])
         if isinstance(model, MultiHeadClassificationModel) and str(first) not in model.heads:
             return cast(int, model.num_outputs)
-        return self._forward(probe, task_ids[:1].to(model_device(model))).shape[-1]
+        return output_classes(self._forward(probe, task_ids[:1].to(model_device(model))))
 
     def _check_task_data(self, task_ids: torch.Tensor | None, size: int) -> None:
         """Task ids of a dataset (or their absence) against the model, the components, the

@@ -12,17 +12,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from renate_events.inference import inference, model_device
+from renate_events.learners.checks import model_refused, output_classes
 from renate_events.learners.seeding import rng_kept
 from renate_events.memory import BufferDataset
 from trainer.data import to_device
 
-__all__ = ["TRANSFORM_EXAMPLE", "SampleList", "as_dataset", "check_split", "check_splits"]
+__all__ = [
+    "SampleList",
+    "as_dataset",
+    "check_labels",
+    "check_split",
+    "check_splits",
+]
 
-TRANSFORM_EXAMPLE = (
-    "e.g. lambda x: x.float() / 255 for uint8 images, or the presets of "
-    "renate_events.transforms (docs/images.rst, 'Transforms'; docs/own_model.rst, 'The contract')"
-)
-"""Where a missing transform's error points: the docs' example of a transform."""
 
 _SPLIT_TRANSFORMS = {"training": "train_transform", "validation": "test_transform"}
 
@@ -87,17 +89,19 @@ def check_split(learner: Any, data: Any, split: str) -> None:
         # check_data has run the model on a train_transform'ed sample of a TensorDataset of
         # class labels: the buffer transform's output needs a forward only if it differs.
         run = None if _labels_probed(data) else ()
-        accepted, _ = _try_transform(learner, "train_transform", inputs, task_ids, split, run)
+        accepted, outputs = _try_transform(learner, "train_transform", inputs, task_ids, split, run)
+        if outputs is not None and learner.train_target_transform is None:
+            check_labels(targets, outputs, split)  # the first labels of any other dataset
         if _replays(learner):
             _try_transform(learner, "buffer_transform", inputs, task_ids, split, accepted)
         return
-    _, classes = _try_transform(learner, "test_transform", inputs, task_ids, split, ())
+    _, outputs = _try_transform(learner, "test_transform", inputs, task_ids, split, ())
     tensors = getattr(data, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) in (2, 3):
         inputs, targets = tensors[:2]
     _check_finite(inputs, split)
-    if classes is not None:
-        _check_labels(targets, classes, split)
+    if outputs is not None:
+        check_labels(targets, outputs, split)
 
 
 def _labels_probed(data: Any) -> bool:
@@ -129,6 +133,12 @@ def _first_batch(learner: Any, data: Any, split: str) -> tuple[Any, Any, Any] | 
         batch = next(iter(loader))
     except StopIteration:
         raise ValueError(f"the {split} data is empty; pass data, or None for no {split}") from None
+    except (RuntimeError, TypeError) as exc:  # the collate function's refusal
+        raise ValueError(
+            f"the {split} data: its first two samples cannot be made a batch "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); give (inputs, target) "
+            "samples of one shape and kind, or a collate_fn"
+        ) from None
     if not (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)):
         raise ValueError(
             f"the {split} data: batches must be (inputs, targets) or (inputs, targets, task_ids), "
@@ -139,10 +149,10 @@ def _first_batch(learner: Any, data: Any, split: str) -> tuple[Any, Any, Any] | 
 
 def _try_transform(
     learner: Any, name: str, inputs: Any, task_ids: Any, split: str, accepted: Any
-) -> tuple[Any, int | None]:
+) -> tuple[Any, torch.Tensor | None]:
     """The first sample of ``inputs`` through the transform ``name`` (its contract checked),
     then the model unless ``accepted`` is None or the signature the model already took:
-    ``(signature, number of outputs)`` (None for what was not run)."""
+    ``(signature, the model's outputs)`` (None for what was not run)."""
     if not isinstance(inputs, torch.Tensor):
         return None, None
     model = learner.model
@@ -162,32 +172,13 @@ def _try_transform(
         try:
             outputs = learner._forward(batch, ids)
         except Exception as exc:
-            raise ValueError(_model_refused(learner, name, batch, split, exc)) from None
-    return signature, int(outputs.shape[-1])
+            raise ValueError(model_refused(learner, name, batch, split, exc)) from None
+    return signature, outputs
 
 
 def _has_heads(model: Any, task_ids: torch.Tensor) -> bool:
     heads = getattr(model, "heads", None)
     return heads is None or all(str(t) in heads for t in task_ids.tolist())
-
-
-def _model_refused(learner: Any, name: str, batch: torch.Tensor, split: str, exc: Exception) -> str:
-    """The message of a model failing on a split's batch (through the transform ``name``)."""
-    shown = f"{str(batch.dtype).replace('torch.', '')} {tuple(batch.shape)}"
-    raised = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    where = f"the {split} data" + (
-        " as the buffer replays it" if name == "buffer_transform" else ""
-    )
-    if getattr(learner, name) is not None:
-        return f"{where}: the model fails on its inputs through {name} ({shown}): {raised}"
-    floating = any(p.dtype.is_floating_point for p in learner.model.parameters())
-    if floating and not batch.dtype.is_floating_point:
-        return (
-            f"{where}: the model fails on the raw {shown} inputs ({raised}); no {name} is set to "
-            f"make them floats: define {name} (the learner's argument, or the function {name}() "
-            f"of a config file), {TRANSFORM_EXAMPLE}"
-        )
-    return f"{where}: the model fails on its inputs ({shown}, no {name}): {raised}"
 
 
 def _check_finite(inputs: Any, split: str) -> None:
@@ -201,12 +192,17 @@ def _check_finite(inputs: Any, split: str) -> None:
         )
 
 
-def _check_labels(targets: Any, classes: int, split: str) -> None:
-    """Class labels (integers, one per sample) of ``split`` in ``0..classes - 1``."""
+def check_labels(targets: Any, outputs: torch.Tensor, split: str) -> None:
+    """Class labels (integers, one per sample) of ``split`` within the model's ``outputs``
+    (other targets are left to the loss). Raises ``ValueError`` naming the split."""
     if not isinstance(targets, torch.Tensor) or targets.dim() != 1:
         return
     if targets.dtype.is_floating_point or targets.dtype.is_complex or len(targets) == 0:
         return
+    try:
+        classes = output_classes(outputs)
+    except ValueError as exc:
+        raise ValueError(f"the {split} data: {exc}") from None
     low, high = int(targets.min()), int(targets.max())
     if low < 0 or high >= classes:
         raise ValueError(

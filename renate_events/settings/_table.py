@@ -110,9 +110,10 @@ _ALL = (
     ),
     Setting(
         "chunks",
-        "with --config-file: the number of updates (data_fn's chunks 0..N-1)",
+        "with --config-file: the number of updates (data_fn's chunks 0..N-1; at least 2, "
+        "since forgetting and transfer compare updates)",
         kind="int",
-        low=1,
+        low=2,
         high=10**6,
     ),
     Setting(
@@ -212,6 +213,12 @@ _ALL = (
         "the input state, nor a part or a continuation of its history)",
         kind="flag",
         maps_onto=(_UPDATER + "overwrite",),
+        variants={
+            "run": {
+                "help": "allow --output-dir to replace the results and the state folders of an "
+                "earlier run"
+            }
+        },
     ),
     Setting(
         "accept_config_change",
@@ -523,7 +530,7 @@ _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": (
         *("config", "scenario", "data_dir", "no_augment", "chunks", "seeds", "hidden"),
-        *("model", "pretrained", "model_args", "output_dir", *_TRAINING, *_SELECTION),
+        *("model", "pretrained", "model_args", "output_dir", "overwrite", *_TRAINING, *_SELECTION),
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),

@@ -21,7 +21,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from renate_events.choices import MAPPED_TYPES
 from renate_events.config import ConfigFile
 from renate_events.inference import forward, model_device, takes_task_id
-from renate_events.learners import BaseExperienceReplayLearner, as_dataset, check_splits
+from renate_events.learners import (
+    TRANSFORM_EXAMPLE,
+    BaseExperienceReplayLearner,
+    as_dataset,
+    check_labels,
+    check_splits,
+)
 from renate_events.updater._errors import UpdateInputError
 from trainer.data import to_device
 
@@ -222,6 +228,11 @@ class InputProbe:
                 outputs = self._forward_probe(model, inputs, what)
                 _check_data(learner, data, what)
                 targets = to_device(targets, outputs.device)
+                if self.transforms.get("train_target_transform") is None:
+                    try:  # any dataset's first labels, before the loss sees them
+                        check_labels(targets, outputs, "training")
+                    except ValueError as exc:
+                        raise UpdateInputError(f"{what}: {exc}") from None
                 target_transform = self.transforms.get("train_target_transform")
                 if target_transform is not None:  # the loss sees the transformed labels
                     targets = target_transform(targets)
@@ -241,6 +252,15 @@ class InputProbe:
             return forward(model, batch)
         except Exception as exc:
             shape = _shown(sample_signature(inputs, None))
+            floating = any(p.dtype.is_floating_point for p in model.parameters())
+            raw = isinstance(inputs, torch.Tensor) and not inputs.dtype.is_floating_point
+            if transform is None and floating and raw:  # uint8 images into a float model
+                raise UpdateInputError(
+                    f"{what}: the model fails on the raw {shape} samples ({type(exc).__name__}); "
+                    "no train_transform is set to make them floats: define train_transform "
+                    "(and buffer_transform, test_transform: the function of a config file, or "
+                    f"ModelUpdater(transforms=...)), {TRANSFORM_EXAMPLE}"
+                ) from None
             raise UpdateInputError(
                 f"{what}: the model does not accept its samples ({shape}){_first_layer(model)}; "
                 f"it raised {type(exc).__name__}: {' '.join(str(exc).split())}{self._frame(exc)}"
@@ -284,6 +304,12 @@ def _first_batch(data: Dataset[Any], collate_fn: Any, what: str) -> tuple[Any, A
         batch = next(iter(DataLoader(data, batch_size=2, shuffle=False, collate_fn=collate_fn)))
     except StopIteration:
         raise UpdateInputError(f"{what} is empty; pass data for the update") from None
+    except (RuntimeError, TypeError, ValueError) as exc:  # the collate function's refusal
+        raise UpdateInputError(
+            f"{what}: its first two samples cannot be made a batch ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())}); give (inputs, target) samples of one shape and "
+            "kind, or a collate_fn"
+        ) from None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise UpdateInputError(
             f"{what}: batches must be (inputs, targets) pairs, got {type(batch).__name__}"

@@ -109,3 +109,18 @@ def test_tabular_csv_on_a_file_of_ones_own(tmp_path):
 def test_cifar10_binary_files(tmp_path):
     write_cifar10(tmp_path / "data" / "cifar-10-batches-bin", per_class=12, test_per_class=3)
     run_example(CONFIGS / "cifar10.py", tmp_path, {"RENATE_EVENTS_CIFAR10": str(tmp_path / "data")})
+
+
+def test_images_uint8_with_its_three_transforms(tmp_path, capsys):
+    from renate_events.cli import main
+
+    run_example(CONFIGS / "images_uint8.py", tmp_path)
+    text = (CONFIGS / "images_uint8.py").read_text()
+    for name in ("buffer_transform", "test_transform"):  # each one is needed, and said so
+        spoiled = tmp_path / f"without_{name}.py"
+        spoiled.write_text(text.replace(f"def {name}():", f"def _unused_{name}():"))
+        argv = ["update", "--config-file", str(spoiled), "--output-state", str(tmp_path / name)]
+        assert main([*argv, *SETTINGS]) == 2
+        err = capsys.readouterr().err
+        assert f"define {name}" in err and "x.float() / 255" in err, err
+        assert not (tmp_path / name).exists()

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 pytest.importorskip("sklearn")
 
 from renate_events.cli import main
+from tests.helpers import one_line_cli_error
 
 
 def test_run_writes_results_and_state(tmp_path, capsys):
@@ -259,6 +260,44 @@ def test_update_replaces_another_lineages_state_only_with_overwrite(tmp_path, ca
     assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before
     assert update("b", "--input-state", tmp_path / "a", "--overwrite") == 0
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["updates"] == 2
+
+
+def test_run_replaces_an_earlier_run_only_with_overwrite(tmp_path, capsys):
+    test_data = "\n\ndef test_data_fn(chunk_id, seed):\n    return data_fn(chunk_id, seed + 1)\n"
+    (tmp_path / "c.py").write_text(_SMALL_CONFIG + test_data)
+    out = tmp_path / "out"
+    args = ["run", "--config-file", tmp_path / "c.py", "--chunks", "2", "--output-dir", out]
+    args = [*map(str, args), "--device", "cpu", "--no-progress", "--epochs", "1"]
+    assert main(args) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    capsys.readouterr()
+    assert main([*args, "--seeds", "0", "1"]) == 2  # seed 0's state folder would be replaced
+    err = capsys.readouterr().err
+    assert "holds an earlier run's" in err and "state/seed-0" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    assert main([*args, "--overwrite"]) == 0
+    assert (out / "results.json").stat().st_mtime_ns > before[out / "results.json"]
+
+
+def test_evaluate_and_predict_read_a_state_without_its_optimizer_fn(tmp_path, capsys):
+    test_data = "\n\ndef test_data_fn(chunk_id, seed):\n    return data_fn(chunk_id, seed + 1)\n"
+    plain = _SMALL_CONFIG + test_data
+    sgd = plain + "\n\ndef optimizer_fn(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
+    (tmp_path / "plain.py").write_text(plain)
+    (tmp_path / "sgd.py").write_text(sgd)
+    (tmp_path / "wider.py").write_text(plain.replace("Linear(4, 2)", "Linear(4, 3)"))
+    state = str(tmp_path / "s")
+    update = ["update", "--config-file", str(tmp_path / "sgd.py"), "--output-state", state]
+    assert main([*update, "--device", "cpu", "--no-progress", "--epochs", "1"]) == 0
+    read = ["--state", state, "--accept-config-change", "--config-file"]
+    capsys.readouterr()
+    assert main(["evaluate", *read, str(tmp_path / "plain.py")]) == 0  # it never trains
+    assert "chunk 0: accuracy" in capsys.readouterr().out
+    assert main(["predict", *read, str(tmp_path / "plain.py"), "--chunk-id", "0"]) == 0
+    assert "32 samples" in capsys.readouterr().out
+    wider = ["evaluate", *read, str(tmp_path / "wider.py")]  # the mismatch itself is said
+    one_line_cli_error(capsys, wider, "'weight' is float32 (2, 4) in the folder, float32 (3, 4)")
 
 
 _NAN_CONFIG = _SMALL_CONFIG.replace(

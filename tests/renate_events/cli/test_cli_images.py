@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -98,6 +99,9 @@ def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, c
     one_line_cli_error(capsys, [*argv[:4], "split-digits"], "the samples have the shape (64,)")
     argv = ["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]
     one_line_cli_error(capsys, [*argv, "--data-dir", str(cifar10)], "--scenario is not given")
+    floats = tmp_path / "floats.npz"  # the dtype the file stores is the one the message names
+    np.savez(floats, inputs=images.float().numpy(), targets=np.zeros(8, dtype=np.int64))
+    one_line_cli_error(capsys, [*argv[:-1], str(floats)], "got torch.float32 values")
 
 
 @SLOW
