@@ -231,6 +231,19 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
     assert isinstance(learner, ExtendedDarkExperienceReplayLearner)
     assert isinstance(learner.buffer, GreedyClassBalancingBuffer)
     assert learner.buffer.class_counts() == {0: 6, 1: 6}
+    # The next update from the state folder: the past classes come from the loaded buffer.
+    following = ModelUpdater(
+        model=_model(),
+        learner="xder",
+        learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
+        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        input_state_folder=str(tmp_path / "state"),
+        output_state_folder=str(tmp_path / "next"),
+    )
+    following.update(_data([2, 3] * 8, seed=1))
+    learner = following.learner_instance
+    assert learner.buffer.class_counts() == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert learner._past is not None and learner._past.tolist()[:4] == [True, True, False, False]
 
 
 @pytest.mark.gpu
