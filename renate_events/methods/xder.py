@@ -117,7 +117,8 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
     Where Mammoth's replayed samples keep their own task's head in the future constraint, here
     it is every past class (updates need not be tasks of fixed size), and a sample drawn in both
     memory batches of a step is updated twice. The replay counts start at 0 with each update
-    (also a resumed one).
+    and are in the learner's checkpoint (key ``replay_counts``), so a resumed update continues
+    with them.
 
     Args:
         alpha: Weight of the logit MSE on memory (DER's ``alpha``).
@@ -194,12 +195,51 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         """A new update: the past classes are those in the buffer (read once per update), every
         slot's replay count starts at 0."""
         super().on_train_start()
+        self._note_past_classes()
+        self._counts = None
+
+    def _note_past_classes(self) -> None:
+        """The classes in the buffer now are the update's past classes (one read of the
+        buffer's targets; the buffer is filled at the end of an update only)."""
         buffer = self.buffer
         labels = None
         if isinstance(buffer, DataBuffer) and len(buffer) > 0:
             _, targets = buffer.dataset().__getitems__(list(range(len(buffer))))
             labels = torch.unique(targets)
-        self._past_labels, self._past, self._counts = labels, None, None
+        self._past_labels, self._past = labels, None
+
+    def on_save_checkpoint(self, checkpoint: Any) -> None:
+        """The base learner's state, and this update's replay count of every slot."""
+        super().on_save_checkpoint(checkpoint)
+        if self._counts is not None:
+            checkpoint["replay_counts"] = self._counts
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        """The base learner's state; the past classes read from the loaded buffer (a resumed
+        update continues with the buffer it started with) and the replay counts, checked:
+        a 1-D float tensor of finite counts >= 0, at least one per filled slot of the buffer."""
+        counts = checkpoint.get("replay_counts")
+        if counts is not None:
+            buffer = checkpoint.get("buffer")
+            filled = buffer.get("length", 0) if isinstance(buffer, dict) else 0
+            if not (
+                isinstance(counts, torch.Tensor)
+                and counts.dtype == torch.float32
+                and counts.dim() == 1
+                and isinstance(filled, int)
+                and counts.numel() >= filled
+                and bool(torch.isfinite(counts).all())
+                and bool((counts >= 0).all())
+            ):
+                shown = tuple(counts.shape) if isinstance(counts, torch.Tensor) else counts
+                raise ValueError(
+                    f"{type(self).__name__}: checkpoint key 'replay_counts' must be a 1-D "
+                    "float32 tensor of finite counts >= 0, one per filled buffer slot, got "
+                    f"{getattr(counts, 'dtype', type(counts).__name__)} {shown}"
+                )
+        super().on_load_checkpoint(checkpoint)
+        self._note_past_classes()
+        self._counts = None if counts is None else counts.clone()
 
     def _past_mask(self, classes: int, device: torch.device) -> torch.Tensor:
         """The ``(classes,)`` bool mask of the past classes on ``device`` (made once per update)."""

@@ -16,8 +16,8 @@ from renate_events.memory import GreedyClassBalancingBuffer
 from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner, method
 from renate_events.methods.xder import transplant_logits
 from renate_events.updater import ModelUpdater
-from tests.helpers import parameters_of
-from trainer import Trainer
+from tests.helpers import assert_same_tree, parameters_of
+from trainer import Trainer, read_checkpoint
 from trainer.exceptions import ListenerError
 
 CLASSES = 6
@@ -36,12 +36,15 @@ def _data(labels: list[int], seed: int) -> TensorDataset:
 
 
 def _learner(model: torch.nn.Module, **options) -> ExtendedDarkExperienceReplayLearner:
-    settings = {"memory_size": 12, "memory_batch_size": 4, "batch_size": 8, **options}
+    settings = {
+        "memory_size": 12,
+        "memory_batch_size": 4,
+        "batch_size": 8,
+        "trainer": Trainer(max_epochs=1, device="cpu"),
+        **options,
+    }
     return ExtendedDarkExperienceReplayLearner(
-        model=model,
-        optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1),
-        trainer=Trainer(max_epochs=1, device="cpu"),
-        **settings,
+        model=model, optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1), **settings
     )
 
 
@@ -268,3 +271,71 @@ def test_the_step_makes_no_host_sync_on_cuda():
             learner.training_step(batch)["loss"].backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+class _SaveThenCrash:
+    """Writes the trainer's checkpoint after step ``step``, then interrupts the update."""
+
+    def __init__(self, path, step):
+        self.path, self.step, self.armed = path, step, False
+
+    def on_batch_end(self, trainer, state):
+        if self.armed and state.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_batch_start(self, state):
+        if self.armed and state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def _state(learner, path):
+    learner.save_checkpoint(path)
+    tree = read_checkpoint(path)
+    return {"model": tree["model"], "listeners": tree["listeners"]}
+
+
+def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
+    """The replay counts and the past classes survive a checkpoint in the middle of an update:
+    a fresh learner resumed from it ends with the same model and the same stored logits."""
+    first, second = _data([0, 1] * 8, seed=0), _data([2, 3] * 12, seed=1)
+
+    def learner(trainer=None):
+        return _learner(_model(), trainer=trainer or Trainer(max_epochs=2, device="cpu"))
+
+    reference = learner()
+    reference.fit(first)
+    reference.fit(second)
+    expected = _state(reference, tmp_path / "reference.safetensors")
+
+    trainer = Trainer(max_epochs=2, device="cpu")
+    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # in epoch 2 of update 2
+    trainer.subscribe(crash, name="crash")
+    interrupted = learner(trainer)
+    interrupted.fit(first)
+    crash.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(second)
+    assert "replay_counts" in read_checkpoint(tmp_path / "mid.safetensors")["listeners"]["learner"]
+
+    resumed = learner()
+    resumed.fit(second, resume_from=tmp_path / "mid.safetensors")
+    assert_same_tree(expected, _state(resumed, tmp_path / "resumed.safetensors"))
+
+
+@pytest.mark.hostile
+def test_replay_counts_of_the_wrong_kind_are_refused_on_load(tmp_path):
+    trainer = Trainer(max_epochs=1, device="cpu")
+    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=2)
+    trainer.subscribe(crash, name="crash")
+    learner = _learner(_model(), trainer=trainer)
+    learner.fit(_data([0, 1] * 8, seed=0))
+    crash.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        learner.fit(_data([2, 3] * 12, seed=1))
+    tree = read_checkpoint(tmp_path / "mid.safetensors")
+    counts = tree["listeners"]["learner"]["replay_counts"]
+    fresh = _learner(_model())
+    for bad in (counts[:2], -counts - 1, counts.double()):
+        tree["listeners"]["learner"]["replay_counts"] = bad
+        with pytest.raises(ValueError, match="'replay_counts' must be a 1-D float32 tensor"):
+            fresh.on_load_checkpoint(tree["listeners"]["learner"])
