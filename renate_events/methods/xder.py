@@ -204,8 +204,16 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         buffer = self.buffer
         labels = None
         if isinstance(buffer, DataBuffer) and len(buffer) > 0:
-            _, targets = buffer.dataset().__getitems__(list(range(len(buffer))))
-            labels = torch.unique(targets)
+            counts = getattr(buffer, "class_counts", None)
+            if callable(counts):  # class-balanced buffers count their classes
+                labels = torch.tensor(sorted(counts()), dtype=torch.int64)
+            else:  # the targets, a chunk at a time (the inputs come along)
+                view, chunk = buffer.dataset(), 4096
+                found = [
+                    torch.unique(view.__getitems__(list(range(i, min(i + chunk, len(buffer)))))[1])
+                    for i in range(0, len(buffer), chunk)
+                ]
+                labels = torch.unique(torch.cat(found))
         self._past_labels, self._past = labels, None
 
     def on_save_checkpoint(self, checkpoint: Any) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from renate_events.hyperparameters import hyperparameters
-from renate_events.memory import GreedyClassBalancingBuffer
+from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
 from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner, method
 from renate_events.methods.xder import transplant_logits
 from renate_events.updater import ModelUpdater
@@ -185,6 +185,15 @@ def test_transplant_logits_is_the_reference_update_logits():
     )
     empty = torch.zeros(10, dtype=torch.bool)
     torch.testing.assert_close(transplant_logits(old, new, targets, empty, 0.85), old)
+
+
+@pytest.mark.parametrize("reservoir", [False, True])
+def test_the_past_classes_are_those_in_the_buffer_when_an_update_starts(reservoir):
+    _, learner = _first_update(buffer=ReservoirBuffer(12, seed=0) if reservoir else None)
+    learner.on_train_start()
+    assert learner.past_cross_entropy(torch.zeros(1, CLASSES), torch.tensor([0])) == pytest.approx(
+        torch.log(torch.tensor(2.0)).item()
+    )  # two past classes, 0 and 1
 
 
 def test_buffer_filling_at_each_step_is_refused():
