@@ -304,8 +304,10 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         buffer = cast(DataBuffer, self.buffer)
         idx, stored = metadata["idx"], metadata["logits"]
         counts = self._counts
-        if counts is None or counts.device != idx.device:
+        if counts is None:
             counts = torch.zeros(buffer.capacity, device=idx.device)
+        elif counts.device != idx.device:  # loaded from a checkpoint onto the CPU
+            counts = counts.to(idx.device)
         seen = counts.index_select(0, idx) + 1
         self._counts = counts.index_copy(0, idx, seen)  # a new tensor: the undo keeps the old
         current = outputs_memory.detach().to(stored.device, stored.dtype)
