@@ -97,8 +97,9 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
        only (two draws, as in the reference code);
     3. the *future-past* update: for each replayed sample, with probability ``1 / n`` at its
        ``n``-th replay in this update, its stored logits of the present and future classes are
-       replaced by the current model's (:func:`transplant_logits`, scaled by ``gamma`` below its
-       label's stored logit); on the device, without a synchronisation;
+       replaced by the current model's (:func:`transplant_logits`, scaled by
+       ``logit_update_gamma`` below its label's stored logit); on the device, without a
+       synchronisation;
     4. with ``future_constraint``, ``constraint_eta`` times the mean of the positive margins
        ``max(future logits) + constraint_margin - max(own logits)`` over the new batch (own:
        present classes) and the replayed samples (own: the past classes).
@@ -123,8 +124,8 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
     Args:
         alpha: Weight of the logit MSE on memory (DER's ``alpha``).
         beta: Weight of the past-class cross-entropy on memory (DER++'s ``beta``).
-        gamma: Scale of the label's stored logit that transplanted logits stay below (Mammoth's
-            ``gamma``, 0.85).
+        logit_update_gamma: Scale of the label's stored logit that transplanted logits stay
+            below (Mammoth's ``gamma``, "weight for logit update", 0.85).
         future_constraint: Add the margin loss that keeps future logits below the own ones.
         constraint_eta: Weight of that loss (Mammoth's ``constr_eta``).
         constraint_margin: Its margin (Mammoth's ``constr_margin``).
@@ -144,7 +145,7 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
 
     alpha: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
     beta: float = attrs.field(default=1.0, kw_only=True, validator=validators.real_in_range(0))
-    gamma: float = attrs.field(
+    logit_update_gamma: float = attrs.field(
         default=0.85, kw_only=True, validator=validators.real_in_range(0, low_open=True)
     )
     future_constraint: bool = attrs.field(default=True, kw_only=True, validator=validators.boolean)
@@ -315,7 +316,7 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         targets = targets.to(stored.device)
         draw = torch.rand(len(idx), device=stored.device)
         chosen = past[targets] & (draw * seen.to(stored.device) < 1)
-        updated = transplant_logits(stored, current, targets, ~past, self.gamma)
+        updated = transplant_logits(stored, current, targets, ~past, self.logit_update_gamma)
         if self._undo is not None and not self._batch_checked:  # the first step: undoable
             previous = stored.clone()
             self._undo.append(lambda: buffer.set_metadata("logits", idx, previous, distinct=True))
@@ -352,8 +353,8 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
                 stored = buffer.get_metadata("logits", slots).to(device)
                 past = self._past_mask(current.shape[-1], device)
                 targets = targets.to(device)
-                later = transplant_logits(stored, current, targets, ~past, self.gamma)
-                capped = transplant_logits(stored, stored, targets, past, self.gamma)
+                later = transplant_logits(stored, current, targets, ~past, self.logit_update_gamma)
+                capped = transplant_logits(stored, stored, targets, past, self.logit_update_gamma)
                 values = torch.where(past[targets].unsqueeze(1), later, capped)
                 buffer.set_metadata("logits", slots, values, distinct=True)
 

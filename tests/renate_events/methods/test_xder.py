@@ -151,7 +151,7 @@ def test_a_step_updates_the_stored_future_logits_of_the_replayed_samples():
 def test_the_end_of_an_update_updates_every_stored_sample():
     """After the second update every sample of 0 and 1 holds the final model's logits of 2..5
     (transplanted), every new sample of 2 and 3 its past logits scaled below its label's."""
-    model, learner = _first_update(gamma=0.2)
+    model, learner = _first_update(logit_update_gamma=0.2)
     learner.fit(_data([2, 3] * 8, seed=1))
     slots = torch.arange(len(learner.buffer))
     inputs, targets = learner.buffer.dataset().__getitems__(slots.tolist())
@@ -228,7 +228,7 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
     assert spec.uses_memory and spec.default_buffer == "greedy-class-balancing"
     assert "Boschini" in spec.summary and "TPAMI 2022" in spec.summary
     schema = hyperparameters("xder")
-    assert schema["alpha"].default == 1.0 and schema["gamma"].default == 0.85
+    assert schema["alpha"].default == 1.0 and schema["logit_update_gamma"].default == 0.85
     assert schema["buffer_filling"].default == "end"
     assert schema["loss_normalization"].default is False
     updater = ModelUpdater(
