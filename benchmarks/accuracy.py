@@ -2,7 +2,8 @@
 
 Runs fine-tuning, ER, DER, DER++, POD-ER, CLS-ER, Super-ER, EWC (Renate's lambda and a larger
 one, separate and online), LwF, Offline-ER, DER++ filling a class-balanced buffer at the end of
-each update (Avalanche's DER), repeated distillation, GDumb, iCaRL (evaluated with its
+each update (with the terms averaged, and summed as Avalanche's DER does), X-DER (its own
+class-balanced buffer), repeated distillation, GDumb, iCaRL (evaluated with its
 nearest-mean-of-exemplars classifier on the hidden layer's features) and Joint with the command
 line's defaults (MLP 64-256-10, Adam 1e-3, 10 epochs per task, batch 32, memory batch 32,
 reservoir of 200; EWC and LwF keep no memory) on Split-Digits (class-incremental, five two-class
@@ -48,6 +49,11 @@ METHODS = {
         "der",
         {"buffer_filling": "end", "buffer": "greedy-class-balancing"},
     ),
+    "DER++ (end, balanced, summed)": (
+        "der",
+        {"buffer_filling": "end", "buffer": "greedy-class-balancing", "loss_normalization": False},
+    ),
+    "X-DER": ("xder", {}),
     "Repeated distillation": ("repeated-distill", {}),
     "GDumb": ("gdumb", {}),
     "iCaRL": ("icarl", {"feature_modules": ["1"]}),

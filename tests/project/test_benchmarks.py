@@ -57,6 +57,14 @@ def test_checkpoint_io_writes_its_page(tmp_path):
     assert "ratios against torch.save" in text
 
 
+@pytest.mark.slow
+def test_der_forms_runs_every_variant():
+    out = _run("der_forms.py", "--seeds", "0", "--epochs", "1")
+    for variant in ("Avalanche's DER, bare", "DER++ here, averaged (default)", "two passes"):
+        assert variant in out
+    assert "Traceback" not in out
+
+
 def test_gpu_check_dry_run_runs_every_section():
     """No session has had a GPU to run ``gpu_check.py`` on: its CPU dry run keeps the script's
     code paths (loops, replay, sync census) from breaking unnoticed."""

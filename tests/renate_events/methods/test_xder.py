@@ -1,0 +1,350 @@
+"""X-DER (Boschini et al., TPAMI 2022): a step against a bare hand-written X-DER step, the
+future-past update of stored logits (at each step and at the end of an update), the logit
+transplant against the reference code's, and the method's registration."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from renate_events.hyperparameters import hyperparameters
+from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
+from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner, method
+from renate_events.methods.xder import transplant_logits
+from renate_events.updater import ModelUpdater
+from tests.helpers import assert_same_tree, parameters_of
+from trainer import Trainer, read_checkpoint
+from trainer.exceptions import ListenerError
+
+CLASSES = 6
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
+    )
+
+
+def _data(labels: list[int], seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(len(labels), 6, generator=generator), torch.tensor(labels))
+
+
+def _learner(model: torch.nn.Module, **options) -> ExtendedDarkExperienceReplayLearner:
+    settings = {
+        "memory_size": 12,
+        "memory_batch_size": 4,
+        "batch_size": 8,
+        "trainer": Trainer(max_epochs=1, device="cpu"),
+        **options,
+    }
+    return ExtendedDarkExperienceReplayLearner(
+        model=model, optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1), **settings
+    )
+
+
+def _next_memory_batches(learner):
+    """The two memory batches the learner's next step draws (its generator left as it was)."""
+    state = learner.buffer.sampling_state()
+    batches = [learner.buffer.sample(learner.memory_batch_size) for _ in range(2)]
+    learner.buffer.set_sampling_state(state)
+    return batches
+
+
+def _mammoth_update_logits(old, new, gt, start, end, gamma):
+    """The reference code's ``update_logits`` (Mammoth, models/xder.py), on the columns
+    ``start:end``, written out with its in-place row scaling."""
+    old, new = old.clone(), new.clone()
+    transplant = new[:, start:end]
+    gt_values = old[torch.arange(len(gt)), gt]
+    max_values = transplant.max(1).values
+    coeff = (gamma * gt_values / max_values).unsqueeze(1).repeat(1, end - start)
+    mask = (max_values > gt_values).unsqueeze(1).repeat(1, end - start)
+    transplant[mask] *= coeff[mask]
+    old[:, start:end] = transplant
+    return old
+
+
+def _xder_loss(model, batch, memory, alpha=1.0, beta=1.0, eta=0.1, margin=0.3):
+    """X-DER's loss after a first update of classes 0 and 1, written out: the new batch's
+    cross-entropy over its own classes, alpha * MSE of the first memory batch's logits, beta *
+    the second memory batch's cross-entropy over the past classes 0 and 1, and eta * the mean
+    positive margin of the future classes' largest logit over the own classes' largest."""
+    (inputs, targets), ((inputs_1, _), meta_1), ((inputs_2, targets_2), _) = batch, *memory
+    present = torch.zeros(CLASSES, dtype=torch.bool)
+    present[targets.unique()] = True
+    past = torch.zeros(CLASSES, dtype=torch.bool)
+    past[:2] = True
+    future = ~(past | present)
+    outputs, outputs_1, outputs_2 = model(inputs), model(inputs_1), model(inputs_2)
+    stream = F.cross_entropy(outputs.masked_fill(~present, float("-inf")), targets)
+    der = alpha * F.mse_loss(outputs_1, meta_1["logits"])
+    derpp = beta * F.cross_entropy(outputs_2.masked_fill(~past, float("-inf")), targets_2)
+    margins = torch.cat(
+        [
+            outputs[:, future].max(1).values + margin - outputs[:, present].max(1).values,
+            outputs_1[:, future].max(1).values + margin - outputs_1[:, past].max(1).values,
+            outputs_2[:, future].max(1).values + margin - outputs_2[:, past].max(1).values,
+        ]
+    )
+    constraint = eta * margins[margins > 0].mean() if (margins > 0).any() else 0.0
+    return stream + der + derpp + constraint
+
+
+def _first_update(**options):
+    model = _model()
+    learner = _learner(model, **options)
+    learner.fit(_data([0, 1] * 8, seed=0))  # the end fill: 6 samples of each of 0 and 1
+    return model, learner
+
+
+@pytest.mark.parametrize("options", [{}, {"alpha": 0.3, "beta": 0.8, "constraint_margin": 1.0}])
+def test_an_update_is_a_bare_hand_written_xder_step(options):
+    model, learner = _first_update(**options)
+    start = copy.deepcopy(model)
+    second = _data([2, 3, 3, 2, 3, 2, 2, 3], seed=1)  # one batch of two new classes
+    memory = _next_memory_batches(learner)
+    losses = []
+    learner.trainer.connect("batch_end", lambda loss: losses.append(loss.detach().item()))
+    learner.fit(second)
+    names = {"alpha": "alpha", "beta": "beta", "constraint_margin": "margin"}
+    weights = {names[k]: v for k, v in options.items()}
+    by_hand = copy.deepcopy(start)
+    loss = _xder_loss(by_hand, second.tensors, memory, **weights)
+    loss.backward()
+    with torch.no_grad():
+        for parameter in by_hand.parameters():
+            parameter -= 0.1 * parameter.grad
+    assert losses == pytest.approx([loss.item()], rel=1e-5)
+    expected = parameters_of(by_hand)
+    for name, value in parameters_of(model).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_updates_the_stored_future_logits_of_the_replayed_samples():
+    """At its first replay in an update a sample's logits of the present and future classes
+    (2..5) are those of the current model, scaled below its label's stored logit; its past
+    logits (0, 1) and every sample not replayed stay as they were."""
+    model, learner = _first_update()
+    before = learner.buffer.get_metadata("logits", torch.arange(12))
+    learner.on_train_start()  # the next update starts (the trainer calls this at train_start)
+    memory = _next_memory_batches(learner)
+    with torch.no_grad():
+        current = [model(inputs) for (inputs, _), _ in memory]
+    learner.training_step(_data([2, 3] * 4, seed=1).tensors)
+    after = learner.buffer.get_metadata("logits", torch.arange(12))
+    expected = before.clone()
+    for ((_, targets), meta), outputs in zip(memory, current):
+        idx = meta["idx"]
+        expected[idx] = _mammoth_update_logits(expected[idx], outputs, targets, 2, CLASSES, 0.85)
+    torch.testing.assert_close(after, expected)
+    replayed = torch.cat([meta["idx"] for _, meta in memory]).unique()
+    assert not torch.allclose(after[replayed][:, 2:], before[replayed][:, 2:])
+    torch.testing.assert_close(after[:, :2], before[:, :2])
+
+
+def test_the_end_of_an_update_updates_every_stored_sample():
+    """After the second update every sample of 0 and 1 holds the final model's logits of 2..5
+    (transplanted), every new sample of 2 and 3 its past logits scaled below its label's."""
+    model, learner = _first_update(logit_update_gamma=0.2)
+    learner.fit(_data([2, 3] * 8, seed=1))
+    slots = torch.arange(len(learner.buffer))
+    inputs, targets = learner.buffer.dataset().__getitems__(slots.tolist())
+    stored = learner.buffer.get_metadata("logits", slots)
+    with torch.no_grad():
+        current = model(inputs)
+    old = targets < 2
+    torch.testing.assert_close(
+        stored[old],
+        _mammoth_update_logits(stored[old], current[old], targets[old], 2, CLASSES, 0.2),
+    )
+    assert not torch.allclose(stored[old][:, 2:], current[old][:, 2:])  # scaled: gamma 0.2
+    new = ~old  # filled with the final model's logits, then their past logits scaled
+    torch.testing.assert_close(
+        stored[new],
+        _mammoth_update_logits(current[new], current[new], targets[new], 0, 2, 0.2),
+    )
+    torch.testing.assert_close(stored[new][:, 2:], current[new][:, 2:])
+    assert not torch.allclose(stored[new][:, :2], current[new][:, :2])
+
+
+def test_transplant_logits_is_the_reference_update_logits():
+    generator = torch.Generator().manual_seed(0)
+    old, new = torch.randn(32, 10, generator=generator), torch.randn(32, 10, generator=generator)
+    targets = torch.randint(0, 4, (32,), generator=generator)
+    block = torch.zeros(10, dtype=torch.bool)
+    block[4:] = True
+    torch.testing.assert_close(
+        transplant_logits(old, new, targets, block, 0.85),
+        _mammoth_update_logits(old, new, targets, 4, 10, 0.85),
+    )
+    empty = torch.zeros(10, dtype=torch.bool)
+    torch.testing.assert_close(transplant_logits(old, new, targets, empty, 0.85), old)
+
+
+@pytest.mark.parametrize("reservoir", [False, True])
+def test_the_past_classes_are_those_in_the_buffer_when_an_update_starts(reservoir):
+    _, learner = _first_update(buffer=ReservoirBuffer(12, seed=0) if reservoir else None)
+    learner.on_train_start()
+    assert learner.past_cross_entropy(torch.zeros(1, CLASSES), torch.tensor([0])) == pytest.approx(
+        torch.log(torch.tensor(2.0)).item()
+    )  # two past classes, 0 and 1
+
+
+def test_buffer_filling_at_each_step_is_refused():
+    with pytest.raises(ValueError, match="buffer_filling"):
+        _learner(_model(), buffer_filling="step")
+
+
+def test_a_failed_update_leaves_the_buffer_and_the_model_as_they_were():
+    model, learner = _first_update()
+    state = learner.buffer.state_dict()
+    before = parameters_of(model)
+    calls = []
+
+    def fail_on_second(loss):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+
+    learner.trainer.connect("batch_end", fail_on_second)
+    with pytest.raises(ListenerError, match="boom"):
+        learner.fit(_data([2, 3] * 8, seed=1))
+    for key, value in learner.buffer.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, state[key]), key
+    for name, value in parameters_of(model).items():
+        assert torch.equal(value, before[name])
+
+
+def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
+    spec = method("xder")
+    assert LEARNERS["xder"] is ExtendedDarkExperienceReplayLearner is spec.learner
+    assert spec.uses_memory and spec.default_buffer == "greedy-class-balancing"
+    assert "Boschini" in spec.summary and "TPAMI 2022" in spec.summary
+    schema = hyperparameters("xder")
+    assert schema["alpha"].default == 1.0 and schema["logit_update_gamma"].default == 0.85
+    assert schema["buffer_filling"].default == "end"
+    assert schema["loss_normalization"].default is False
+    updater = ModelUpdater(
+        model=_model(),
+        learner="xder",
+        learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
+        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        output_state_folder=str(tmp_path / "state"),
+    )
+    updater.update(_data([0, 1] * 8, seed=0))
+    learner = updater.learner_instance
+    assert isinstance(learner, ExtendedDarkExperienceReplayLearner)
+    assert isinstance(learner.buffer, GreedyClassBalancingBuffer)
+    assert learner.buffer.class_counts() == {0: 6, 1: 6}
+    # The next update from the state folder: the past classes come from the loaded buffer.
+    following = ModelUpdater(
+        model=_model(),
+        learner="xder",
+        learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
+        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        input_state_folder=str(tmp_path / "state"),
+        output_state_folder=str(tmp_path / "next"),
+    )
+    following.update(_data([2, 3] * 8, seed=1))
+    learner = following.learner_instance
+    assert learner.buffer.class_counts() == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert learner._past is not None and learner._past.tolist()[:4] == [True, True, False, False]
+
+
+@pytest.mark.gpu
+def test_the_step_makes_no_host_sync_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    learner = ExtendedDarkExperienceReplayLearner(
+        model=_model().cuda(),
+        buffer=GreedyClassBalancingBuffer(64, seed=0, device="cuda"),
+        memory_size=64,
+        memory_batch_size=16,
+        batch_size=16,
+        trainer=Trainer(max_epochs=1, device="cuda", nonfinite_loss="off"),
+    )
+    learner.fit(_data([0, 1] * 32, seed=0))
+    learner.on_train_start()  # the next update starts
+    batch = tuple(tensor.cuda() for tensor in _data([2, 3] * 8, seed=1).tensors)
+    learner.training_step(batch)  # the first step checks the batch (and may synchronise)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            learner.training_step(batch)["loss"].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+class _SaveThenCrash:
+    """Writes the trainer's checkpoint after step ``step``, then interrupts the update."""
+
+    def __init__(self, path, step):
+        self.path, self.step, self.armed = path, step, False
+
+    def on_batch_end(self, trainer, state):
+        if self.armed and state.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_batch_start(self, state):
+        if self.armed and state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def _state(learner, path):
+    learner.save_checkpoint(path)
+    tree = read_checkpoint(path)
+    return {"model": tree["model"], "listeners": tree["listeners"]}
+
+
+def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
+    """The replay counts and the past classes survive a checkpoint in the middle of an update:
+    a fresh learner resumed from it ends with the same model and the same stored logits."""
+    first, second = _data([0, 1] * 8, seed=0), _data([2, 3] * 12, seed=1)
+
+    def learner(trainer=None):
+        return _learner(_model(), trainer=trainer or Trainer(max_epochs=2, device="cpu"))
+
+    reference = learner()
+    reference.fit(first)
+    reference.fit(second)
+    expected = _state(reference, tmp_path / "reference.safetensors")
+
+    trainer = Trainer(max_epochs=2, device="cpu")
+    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # in epoch 2 of update 2
+    trainer.subscribe(crash, name="crash")
+    interrupted = learner(trainer)
+    interrupted.fit(first)
+    crash.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(second)
+    assert "replay_counts" in read_checkpoint(tmp_path / "mid.safetensors")["listeners"]["learner"]
+
+    resumed = learner()
+    resumed.fit(second, resume_from=tmp_path / "mid.safetensors")
+    assert_same_tree(expected, _state(resumed, tmp_path / "resumed.safetensors"))
+
+
+@pytest.mark.hostile
+def test_replay_counts_of_the_wrong_kind_are_refused_on_load(tmp_path):
+    trainer = Trainer(max_epochs=1, device="cpu")
+    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=2)
+    trainer.subscribe(crash, name="crash")
+    learner = _learner(_model(), trainer=trainer)
+    learner.fit(_data([0, 1] * 8, seed=0))
+    crash.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        learner.fit(_data([2, 3] * 12, seed=1))
+    tree = read_checkpoint(tmp_path / "mid.safetensors")
+    counts = tree["listeners"]["learner"]["replay_counts"]
+    fresh = _learner(_model())
+    for bad in (counts[:2], -counts - 1, counts.double()):
+        tree["listeners"]["learner"]["replay_counts"] = bad
+        with pytest.raises(ValueError, match="'replay_counts' must be a 1-D float32 tensor"):
+            fresh.on_load_checkpoint(tree["listeners"]["learner"])
