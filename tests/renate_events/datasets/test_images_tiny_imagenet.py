@@ -23,24 +23,28 @@ def _jpeg(path: pathlib.Path, seed: int, size: int = 8, mode: str = "RGB") -> No
 
 
 def write_tiny_imagenet(
-    root: pathlib.Path, per_class: int = 2, val_per_class: int = 1, size: int = 8
+    root: pathlib.Path,
+    per_class: int = 2,
+    val_per_class: int = 1,
+    size: int = 8,
+    wnids: tuple[str, ...] = WNIDS,
 ) -> pathlib.Path:
     """The official layout under ``root/tiny-imagenet-200`` with ``size`` x ``size`` JPEGs."""
     base = root / "tiny-imagenet-200"
     base.mkdir(parents=True)
-    (base / "wnids.txt").write_text("\n".join(WNIDS) + "\n")
-    words = "".join(f"{w}\tthing {w}, other name\n" for w in (*WNIDS, "n99"))
+    (base / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    words = "".join(f"{w}\tthing {w}, other name\n" for w in (*wnids, "n99"))
     (base / "words.txt").write_text(words)
     seed = 0
-    for wnid in WNIDS:
+    for wnid in wnids:
         for i in range(per_class):
             _jpeg(base / "train" / wnid / "images" / f"{wnid}_{i}.JPEG", seed, size)
             seed += 1
         (base / "train" / wnid / f"{wnid}_boxes.txt").write_text("")
     lines = []
-    for i in range(val_per_class * len(WNIDS)):
+    for i in range(val_per_class * len(wnids)):
         _jpeg(base / "val" / "images" / f"val_{i}.JPEG", 100 + i, size, "L" if i == 0 else "RGB")
-        lines.append(f"val_{i}.JPEG\t{WNIDS[i % len(WNIDS)]}\t0\t0\t7\t7")
+        lines.append(f"val_{i}.JPEG\t{wnids[i % len(wnids)]}\t0\t0\t7\t7")
     (base / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     return base
 
