@@ -122,6 +122,7 @@ _ALL = (
         default=0.0,
         low=0.0,
         high=1.0,
+        metavar="M",
         maps_onto=(_CLASSES + "blurry",),
     ),
     Setting(
@@ -138,6 +139,7 @@ _ALL = (
         default=50,
         low=1,
         deferred=True,
+        metavar="STEPS",
         maps_onto=("renate_events.anytime:AnytimeAccuracy.every",),
     ),
     Setting(
