@@ -80,7 +80,7 @@ def resolve_class_order(value: Any, classes: Sequence[int]) -> tuple[int, ...] |
                 "the class ids in order, such as 3,1,0,2"
             )
         return shuffled_classes(expected, int(number))
-    order = tuple(value) if isinstance(value, (Sequence, torch.Tensor)) else None
+    order = to_int_tuple(value) if isinstance(value, (Sequence, torch.Tensor)) else None
     if order is None or sorted(order) != expected or not all(validators.is_int(c) for c in order):
         raise ValueError(
             f"class order {value!r} must list each class of the data ({expected[0]} to "
@@ -267,7 +267,7 @@ class ClassIncrementalScenario(Scenario):
     class_order: tuple[int, ...] | str | None = attrs.field(
         default=None,
         kw_only=True,
-        converter=lambda v: tuple(v) if isinstance(v, (list, torch.Tensor)) else v,
+        converter=lambda v: to_int_tuple(v) if isinstance(v, (list, torch.Tensor)) else v,
         validator=_check_class_order,
     )
     num_tasks: int = attrs.field(  # type: ignore[assignment]

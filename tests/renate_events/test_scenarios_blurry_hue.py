@@ -91,6 +91,10 @@ def test_class_order_makes_the_groups():
     scenario = ClassIncrementalScenario(_data(), num_tasks=2, class_order=[3, 0, 2, 1])
     assert scenario.groups() == ((3, 0), (2, 1))
     assert [task.classes for task in scenario.tasks()] == [(0, 3), (1, 2)]
+    as_tensor = ClassIncrementalScenario(
+        _data(), num_tasks=2, class_order=torch.tensor([3, 0, 2, 1])
+    )
+    assert as_tensor.groups() == ((3, 0), (2, 1))
     seeded = ClassIncrementalScenario(_data(), num_tasks=4, class_order="seed:9")
     assert [g[0] for g in seeded.groups()] == list(shuffled_classes(range(4), 9))
 
