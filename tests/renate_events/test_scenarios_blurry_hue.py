@@ -175,3 +175,45 @@ def test_hue_shift_on_grayscale_says_why():
     data = TensorDataset(torch.rand(10, 1, 8, 8), torch.arange(10) % 2)
     with pytest.raises(ValueError, match="grayscale images have no hue"):
         HueShiftScenario(data, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dominant_hue_on_cuda_equals_the_cpus():
+    images = torch.randint(0, 256, (2100, 3, 8, 8), dtype=torch.uint8)  # three chunks
+    assert torch.equal(dominant_hues(images.cuda()), dominant_hues(images))
+
+
+# -- rotation and permutation of any image tensor --------------------------------------------------
+
+
+def test_byte_images_rotate_as_uint8():
+    from renate_events.scenarios import RotationScenario
+
+    images = torch.randint(0, 256, (12, 3, 5, 5), dtype=torch.uint8)
+    data = TensorDataset(images, torch.arange(12) % 2)
+    tasks = RotationScenario(data, (0, 90), byte_images=True, seed=0).tasks()
+    rotated = tasks[1].test.tensors[0]
+    assert rotated.dtype == torch.uint8 and rotated.shape == (4, 3, 5, 5)
+    original = tasks[0].test.tensors[0]
+    expected = torch.rot90(original, 1, dims=(2, 3))  # counter-clockwise
+    assert (rotated.int() - expected.int()).abs().max() <= 1
+    with pytest.raises(TypeError, match="byte_images=True takes uint8 inputs"):
+        RotationScenario(
+            TensorDataset(images.float(), torch.arange(12) % 2), (0, 90), byte_images=True
+        )
+
+
+@pytest.mark.parametrize("shape", [(12, 5, 5), (12, 3, 5, 5)])
+def test_permutation_and_rotation_take_any_image_tensor(shape):
+    from renate_events.scenarios import PermutationScenario, RotationScenario
+
+    data = TensorDataset(torch.rand(shape), torch.arange(12) % 2)
+    permuted = PermutationScenario(data, 2, seed=0).tasks()
+    assert permuted[1].test.tensors[0].shape[1:] == shape[1:]
+    assert torch.equal(
+        permuted[1].test.tensors[0].flatten(1).sort(dim=1).values,
+        permuted[0].test.tensors[0].flatten(1).sort(dim=1).values,
+    )
+    rotated = RotationScenario(data, (0, 180)).tasks()
+    assert rotated[1].test.tensors[0].shape[1:] == shape[1:]
