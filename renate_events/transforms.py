@@ -5,7 +5,8 @@ take any callable ``f(batch) -> batch`` on a batch tensor. This module ships vec
 with no Python loop over the samples, and the standard CIFAR presets
 (:func:`cifar_train_transform`, :func:`cifar_test_transform`): random crop of 32x32 from the image
 zero-padded by 4 pixels, horizontal flip with probability 0.5, then normalisation with the
-per-channel means and standard deviations of the CIFAR-10 or CIFAR-100 training set, as in
+per-channel means and standard deviations of the CIFAR-10 or CIFAR-100 training set (and the same
+for Tiny-ImageNet's 64x64 images, ``"tinyimagenet"``: crop 64, its own statistics), as in
 He et al., "Deep Residual Learning for Image Recognition", CVPR 2016, and Buzzega et al., "Dark
 Experience for General Continual Learning: a Strong, Simple Baseline", NeurIPS 2020.
 
