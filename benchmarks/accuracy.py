@@ -14,6 +14,12 @@ classifier as its spec declares them (but those whose spec needs a Vision Transf
 by ``benchmarks/prompt_step.py``).
 
 Usage: python benchmarks/accuracy.py [--seeds 0 1 2 3 4] [--epochs 10] [--methods EWC LwF ...]
+
+``--online``: the online-stream rows instead (:data:`ONLINE`): ER and ER-ACE in a single pass
+(each sample seen once), batches of 10 new and 10 memory samples, SGD 0.1, reservoir of 200, on
+Split-Digits with sharp and with blurry (Blurry-10) boundaries; final class-IL accuracy,
+forgetting and the anytime accuracy (the mean of the accuracy on the tasks seen so far, every 10
+steps).
 """
 
 from __future__ import annotations
@@ -106,8 +112,11 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--online", action="store_true", help="the online-stream rows instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.online:
+        return main_online(args.seeds)
     print(
         f"Split-Digits, class-incremental, {len(args.seeds)} seeds, {args.epochs} epochs/task, "
         "1 thread; mean ± std"
@@ -125,6 +134,66 @@ def main(argv=None):
             cells.append(f"{mean:7.3f} ± {std:.3f}")
         seconds = sum(r["seconds"] for r in results) / len(results)
         print(f"{method:{width}s} " + " ".join(f"{c:>15s}" for c in cells) + f" {seconds:7.1f}")
+
+
+# -- online streams (issue 27): a single pass, anytime accuracy ----------------------------------
+
+ONLINE = {  # row: (method, blurry fraction)
+    "online ER": ("er", 0.0),
+    "online ER-ACE": ("er-ace", 0.0),
+    "online ER, Blurry-10": ("er", 0.1),
+    "online ER-ACE, Blurry-10": ("er-ace", 0.1),
+}
+
+
+def run_online(row: str, seed: int) -> dict[str, float]:
+    from renate_events.anytime import AnytimeAccuracy
+
+    name, blurry = ONLINE[row]
+    tasks = split_digits(seed=seed, blurry=blurry).tasks()
+    torch.manual_seed(seed)
+    model = mlp(64, [256], 10)
+    learner = LEARNERS[name](
+        model=model,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        trainer=Trainer(max_epochs=1, device="cpu"),
+        memory_size=200,
+        memory_batch_size=10,
+        batch_size=10,
+        seed=seed,
+    )
+    anytime = AnytimeAccuracy(tasks, every=10)
+    learner.trainer.subscribe(anytime)
+    matrix = evaluation.AccuracyMatrix()
+    start = time.perf_counter()
+    for index, task in enumerate(tasks):
+        anytime.reach(index)
+        learner.fit(task.train)
+        matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
+    anytime.finish(model)
+    return {
+        "class-IL accuracy": evaluation.average_accuracy(matrix),
+        "forgetting": evaluation.forgetting(matrix),
+        "anytime accuracy": anytime.area(),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main_online(seeds) -> None:
+    print(f"Split-Digits online (one pass, batch 10), {len(seeds)} seeds, 1 thread; mean ± std")
+    width = max(map(len, ONLINE))
+    keys = ("class-IL accuracy", "forgetting", "anytime accuracy")
+    print(f"{'row':{width}s} " + " ".join(f"{k:>17s}" for k in keys) + f" {'s/run':>7s}")
+    for row in ONLINE:
+        results = [run_online(row, seed) for seed in seeds]
+        cells = []
+        for key in keys:
+            values = [r[key] for r in results]
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+            cells.append(f"{mean:7.3f} ± {std:.3f}")
+        seconds = sum(r["seconds"] for r in results) / len(results)
+        print(f"{row:{width}s} " + " ".join(f"{c:>17s}" for c in cells) + f" {seconds:7.1f}")
 
 
 if __name__ == "__main__":

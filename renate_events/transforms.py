@@ -5,7 +5,8 @@ take any callable ``f(batch) -> batch`` on a batch tensor. This module ships vec
 with no Python loop over the samples, and the standard CIFAR presets
 (:func:`cifar_train_transform`, :func:`cifar_test_transform`): random crop of 32x32 from the image
 zero-padded by 4 pixels, horizontal flip with probability 0.5, then normalisation with the
-per-channel means and standard deviations of the CIFAR-10 or CIFAR-100 training set, as in
+per-channel means and standard deviations of the CIFAR-10 or CIFAR-100 training set (and the same
+for Tiny-ImageNet's 64x64 images, ``"tinyimagenet"``: crop 64, its own statistics), as in
 He et al., "Deep Residual Learning for Image Recognition", CVPR 2016, and Buzzega et al., "Dark
 Experience for General Continual Learning: a Strong, Simple Baseline", NeurIPS 2020.
 
@@ -36,6 +37,8 @@ __all__ = [
     "CIFAR10_STD",
     "CIFAR100_MEAN",
     "CIFAR100_STD",
+    "TINYIMAGENET_MEAN",
+    "TINYIMAGENET_STD",
     "Compose",
     "Normalize",
     "RandomCrop",
@@ -54,7 +57,17 @@ CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 """Per-channel standard deviation of the CIFAR-100 training images."""
 
-_STATS = {"cifar10": (CIFAR10_MEAN, CIFAR10_STD), "cifar100": (CIFAR100_MEAN, CIFAR100_STD)}
+TINYIMAGENET_MEAN = (0.4802, 0.4480, 0.3975)
+"""Per-channel mean of the Tiny-ImageNet training images (RGB, values in [0, 1]; Mammoth's)."""
+TINYIMAGENET_STD = (0.2770, 0.2691, 0.2821)
+"""Per-channel standard deviation of the Tiny-ImageNet training images."""
+
+_STATS = {
+    "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
+    "cifar100": (CIFAR100_MEAN, CIFAR100_STD),
+    "tinyimagenet": (TINYIMAGENET_MEAN, TINYIMAGENET_STD),
+}
+_CROP = {"cifar10": 32, "cifar100": 32, "tinyimagenet": 64}  # the images' own size
 
 
 def _check_images(name: str, images: Any) -> torch.Tensor:
@@ -290,8 +303,12 @@ def cifar_train_transform(
     """The standard CIFAR training augmentation for raw ``uint8`` batches ``(N, 3, 32, 32)``:
     random crop 32 with padding 4, horizontal flip, to float, normalisation.
 
+    ``"tinyimagenet"`` gives the same for Tiny-ImageNet's ``(N, 3, 64, 64)`` (crop 64, padding 4,
+    as Mammoth's Seq-TinyImageNet).
+
     Args:
-        dataset: ``"cifar10"`` or ``"cifar100"`` (which means and stds normalise).
+        dataset: ``"cifar10"``, ``"cifar100"`` or ``"tinyimagenet"`` (which means and stds
+            normalise).
         generator: Where the random draws come from; ``None``: torch's global RNG (checkpointed
             by the trainer).
 
@@ -304,7 +321,7 @@ def cifar_train_transform(
     mean, std = _stats(dataset)
     return Compose(
         [
-            RandomCrop(32, padding=4, generator=generator),
+            RandomCrop(_CROP[dataset], padding=4, generator=generator),
             RandomHorizontalFlip(0.5, generator=generator),
             ToFloat(),
             Normalize(mean, std),

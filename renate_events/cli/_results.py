@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.anytime import plot_curves
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.state_folder import StagedStateFolder, state_token
 from renate_events.updater import ModelUpdater
@@ -23,7 +24,12 @@ from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["check_output_dir", "heatmap", "result_files", "seed_metrics", "table", "write_run"]
 
-_RESULT_FILES = ("metrics.csv", "accuracy_matrix.png", "results.json")  # results.json last
+_RESULT_FILES = (  # results.json last
+    "metrics.csv",
+    "accuracy_matrix.png",
+    "anytime_accuracy.png",
+    "results.json",
+)
 _FLIPS = {
     "nfr": "negative_flip_rate",
     "nfi": "negative_flip_impact",
@@ -42,8 +48,9 @@ def seed_metrics(
     tasks: Sequence[Any],
     flips: Sequence[Mapping[str, float]],
 ) -> dict:
-    """One seed's record in ``results.json``: both accuracy matrices, the regression (flips)
-    between consecutive model versions and the summary metrics."""
+    """One seed's record in ``results.json``: the classes of each task (in the scenario's class
+    order), both accuracy matrices, the regression (flips) between consecutive model versions and
+    the summary metrics."""
     from renate_events import evaluation
 
     sizes = [len(task.test) for task in tasks]
@@ -60,6 +67,7 @@ def seed_metrics(
             metrics[name] = sum(flip[key] for flip in flips) / len(flips)
     return {
         "seed": seed,
+        "class_groups": [list(task.classes) for task in tasks],
         "class_incremental": class_matrix.to_dict(),
         "task_incremental": task_matrix.to_dict(),
         "regression": [{"update": i + 1, **flip} for i, flip in enumerate(flips)],
@@ -115,6 +123,12 @@ def result_files(options: Any, runs: Sequence[dict], elapsed: float) -> dict[str
     image = heatmap(options, runs)
     if image is not None:
         files["accuracy_matrix.png"] = image
+    curves = [run["anytime_accuracy"] for run in runs if "anytime_accuracy" in run]
+    plot = (
+        plot_curves(curves, f"{options.learner} on {_title(options)}, online") if curves else None
+    )
+    if plot is not None:
+        files["anytime_accuracy.png"] = plot
     return files
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.anytime import AnytimeAccuracy
 from renate_events.choices import default_buffer
 from renate_events.cli._errors import UsageError
 from renate_events.cli._evaluate import (
@@ -50,6 +51,7 @@ from renate_events.cli._zoo import (
     pretrained_model,
     resolved_model,
     scenario_tasks,
+    scenario_variants,
     spec_transforms,
     zoo_spec_for_run,
 )
@@ -73,11 +75,13 @@ class _Seed:
     updater: ModelUpdater
     rng_state: torch.Tensor
     evaluated: torch.nn.Module  # the model, with the config file's test transform if any
+    anytime: AnytimeAccuracy | None = None  # with --online: the anytime-accuracy listener
 
 
 def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     """``renate-events run``: train and evaluate every seed, then print and write the results."""
-    options = check_options(RunOptions, values, from_file)
+    options = _online(check_options(RunOptions, values, from_file))
+    variants = scenario_variants(options)
     hyper = hyperparameter_values(values, options.learner, from_file, options.config)
     config = _run_config_file(options)
     if config is None:
@@ -91,7 +95,7 @@ def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     rank_zero = int(os.environ.get("RANK", "0")) == 0
     tokens = None if distributed else check_output_dir(options)
     seeds = [
-        _prepare_seed(options, seed, distributed, hyper)
+        _prepare_seed(options, seed, distributed, hyper, variants)
         if config is None
         else _prepare_config_seed(options, config, seed, distributed, hyper)
         for seed in options.seeds
@@ -105,6 +109,37 @@ def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
             write_run(options, files, {plan.seed: plan.updater for plan in seeds}, tokens)
         print(table(options, runs, elapsed))
     return 0
+
+
+def _online(options: Any) -> Any:
+    """The options of an online run (one epoch, ``--eval-every`` filled in), checked; others
+    must not give ``--eval-every``."""
+    if options.online and options.config_file is not None:
+        raise UsageError(
+            "--online is for a named --scenario; with --config-file, set max_epochs to 1 and "
+            "subscribe renate_events.anytime.AnytimeAccuracy in your own code"
+        )
+    if not options.online:
+        if options.eval_every is not None:
+            raise UsageError(
+                "--eval-every is the interval of --online's anytime accuracy: add --online"
+            )
+        return options
+    if options.epochs not in (1, setting("epochs").default):
+        raise UsageError(
+            f"--online trains one pass over each task's data (one epoch); --epochs "
+            f"{options.epochs} contradicts it: leave --epochs out"
+        )
+    every = options.eval_every or setting("eval_every").default
+    return attrs.evolve(options, epochs=1, eval_every=every)
+
+
+def _anytime(options: Any, tasks: Sequence[Any], evaluated: torch.nn.Module) -> list[Any]:
+    """The listeners of a seed's updater: with ``--online``, the anytime accuracy on
+    ``evaluated`` (the model with its test transform)."""
+    if not options.online:
+        return []
+    return [AnytimeAccuracy(tasks, options.eval_every, model=evaluated)]
 
 
 def _run_config_file(options: Any) -> ConfigFile | None:
@@ -207,11 +242,19 @@ def _learner_kwargs(
     return kwargs
 
 
-def _prepare_seed(options: Any, seed: int, distributed: bool, hyper: Mapping[str, Any]) -> _Seed:
+def _prepare_seed(
+    options: Any,
+    seed: int,
+    distributed: bool,
+    hyper: Mapping[str, Any],
+    variants: Mapping[str, Any],
+) -> _Seed:
     """One seed of a run on a named scenario: its tasks, its model and its updater, checked."""
-    tasks = scenario_tasks(options.scenario, options.data_dir, seed)
+    tasks = scenario_tasks(options.scenario, options.data_dir, seed, variants)
     model, spec = _run_model(options, tasks, seed)
     transforms = spec_transforms(spec)
+    evaluated_model = evaluated(model, transforms)
+    listeners = _anytime(options, tasks, evaluated_model)
     learner_kwargs = _learner_kwargs(options, seed, spec, hyper)
     feature_modules(options.learner, learner_kwargs, model)  # a zoo model's feature modules
     first_optimizer = {"name": setting("optimizer").default, "lr": setting("lr").default}
@@ -226,11 +269,12 @@ def _prepare_seed(options: Any, seed: int, distributed: bool, hyper: Mapping[str
             trainer_kwargs=trainer_setting({**overrides, "distributed": distributed}, None, None),
             metadata={"model": spec, "scenario": options.scenario},
             transforms=transforms,
+            listeners=listeners,
         )
         updater.learner_instance  # noqa: B018 - the learner's own checks, before training
     except ValueError as exc:  # the learner's checks of a combination of options
         raise UsageError(learner_message(exc)) from None
-    return _Seed(seed, tasks, updater, torch.get_rng_state(), evaluated(model, transforms))
+    return _Seed(seed, tasks, updater, torch.get_rng_state(), evaluated_model, *listeners)
 
 
 def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
@@ -242,9 +286,11 @@ def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
     class_matrix.baseline = evaluation.evaluate(model, tasks, mode="class-incremental")
     targets = torch.cat([task.test.tensors[-1] for task in tasks])
     previous, flips = None, []
-    for task in tasks:
+    for index, task in enumerate(tasks):
         description = f"seed {plan.seed} task {task.task_id}"
         progress(plan.updater.learner_instance, description, not options.no_progress)
+        if plan.anytime is not None:
+            plan.anytime.reach(index)
         plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
         model = _run_classifier(plan)
         class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
@@ -253,7 +299,12 @@ def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
         if previous is not None:  # flips between consecutive model versions, on all test sets
             flips.append(evaluation.regression_metrics(previous, current, targets))
         previous = current
-    return seed_metrics(plan.seed, class_matrix, task_matrix, tasks, flips)
+    record = seed_metrics(plan.seed, class_matrix, task_matrix, tasks, flips)
+    if plan.anytime is not None:
+        plan.anytime.finish()
+        record["anytime_accuracy"] = plan.anytime.to_dict()
+        record["metrics"]["anytime_accuracy"] = plan.anytime.area()
+    return record
 
 
 def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:

@@ -27,30 +27,34 @@ __all__ = [
     "check_same_model",
     "mlp",
     "model_spec",
+    "options_text",
     "parameter_count",
     "pretrained_model",
     "resolved_model",
     "scenario_tasks",
+    "scenario_variants",
     "spec_transforms",
     "zoo_spec_for_run",
 ]
 
 MAX_PARAMETERS = 10**9  # 4 GB of float32: the command line builds small MLPs
 
+_SOURCE_FILES = {
+    "cifar10": "the CIFAR-10 binary version, DIR/cifar-10-batches-bin/data_batch_1.bin ... "
+    "data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz from "
+    "https://www.cs.toronto.edu/~kriz/cifar.html, extracted with tar xzf "
+    "cifar-10-binary.tar.gz -C DIR)",
+    "cifar100": "the CIFAR-100 binary version, DIR/cifar-100-binary/train.bin and test.bin "
+    "(cifar-100-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted "
+    "with tar xzf cifar-100-binary.tar.gz -C DIR)",
+    "tinyimagenet": "Tiny-ImageNet's folder layout, DIR/tiny-imagenet-200/wnids.txt, words.txt, "
+    "train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt "
+    "(tiny-imagenet-200.zip from http://cs231n.stanford.edu/, extracted with unzip "
+    "tiny-imagenet-200.zip -d DIR; read with Pillow)",
+}
 IMAGE_DATA = {
-    "seq-cifar10": (
-        "cifar10",
-        "the CIFAR-10 binary version, DIR/cifar-10-batches-bin/data_batch_1.bin ... "
-        "data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz from "
-        "https://www.cs.toronto.edu/~kriz/cifar.html, extracted with tar xzf "
-        "cifar-10-binary.tar.gz -C DIR)",
-    ),
-    "seq-cifar100": (
-        "cifar100",
-        "the CIFAR-100 binary version, DIR/cifar-100-binary/train.bin and test.bin "
-        "(cifar-100-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted "
-        "with tar xzf cifar-100-binary.tar.gz -C DIR)",
-    ),
+    name: (name.rsplit("-", 1)[1], _SOURCE_FILES[name.rsplit("-", 1)[1]])
+    for name in IMAGE_SCENARIOS
 }
 """The image scenarios: the transform preset (its normalisation) and the files they read."""
 _IMAGE_MODEL = ("resnet18", {"nf": 20})  # GEM's reduced ResNet-18: the default on images
@@ -229,18 +233,66 @@ def pretrained_model(
     return model, spec
 
 
-def scenario_tasks(scenario: str, data_dir: str | None, seed: int) -> list[Any]:
-    """The tasks of a named scenario; an image scenario's files missing or corrupt is one line
-    (the reader's message names the file that was expected and where to get it)."""
+def scenario_variants(options: Any) -> dict[str, Any]:
+    """The scenario's own arguments that ``--class-order`` and ``--blurry`` give (those not at
+    their default), each refused for a scenario that does not take it."""
+    given = {"class_order": options.class_order, "blurry": options.blurry or None}
+    given = {name: value for name, value in given.items() if value is not None}
+    if given and options.config_file is not None:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise UsageError(
+            f"{flag} is for a named --scenario; with --config-file, data_fn cuts the data"
+        )
+    factory = {**SCENARIOS, **IMAGE_SCENARIOS}.get(options.scenario)
+    takes = inspect.signature(factory).parameters if factory is not None else {}
+    for name in given:
+        if name not in takes:
+            which = sorted(
+                n
+                for n, f in {**SCENARIOS, **IMAGE_SCENARIOS}.items()
+                if name in inspect.signature(f).parameters
+            )
+            raise UsageError(
+                f"--{name.replace('_', '-')} is for the class-incremental scenarios {which}; "
+                f"--scenario {options.scenario} keeps every class in every task"
+            )
+    if "class_order" in given and not given["class_order"].startswith("seed:"):
+        parts = given["class_order"].replace(" ", "").split(",")
+        if not all(part.isdigit() for part in parts):
+            raise UsageError(
+                f"--class-order {given['class_order']}: give seed:N or the class ids in order, "
+                "comma-separated, such as 3,1,0,2"
+            )
+        given["class_order"] = [int(part) for part in parts]
+    return given
+
+
+def scenario_tasks(
+    scenario: str, data_dir: str | None, seed: int, variants: Mapping[str, Any] | None = None
+) -> list[Any]:
+    """The tasks of a named scenario (with ``variants``, see :func:`scenario_variants`); an image
+    scenario's files missing or corrupt is one line (the reader's message names the file that was
+    expected and where to get it), as is a class order that does not fit the data."""
+    variants = variants or {}
+    shown = "".join(
+        f" --{name.replace('_', '-')} {options_text(value)}" for name, value in variants.items()
+    )
     if scenario in SCENARIOS:
         try:
-            return list(SCENARIOS[scenario](seed=seed).tasks())
-        except ImportError as exc:
-            raise UsageError(f"--scenario {scenario}: {exc}") from None
+            return list(SCENARIOS[scenario](seed=seed, **variants).tasks())
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--scenario {scenario}{shown}: {one_line(exc)}") from None
     try:
-        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed).tasks())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--scenario {scenario} --data-dir {data_dir}: {one_line(exc)}") from None
+        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed, **variants).tasks())
+    except (ImportError, OSError, ValueError) as exc:
+        raise UsageError(
+            f"--scenario {scenario} --data-dir {data_dir}{shown}: {one_line(exc)}"
+        ) from None
+
+
+def options_text(value: Any) -> str:
+    """A value as the command line writes it: lists comma-separated."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def zoo_spec_for_run(options: Any, tasks: Sequence[Any], classes: int) -> dict[str, Any]:
@@ -373,7 +425,7 @@ def _zoo_spec(folder: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
     key = f"{path}: key 'metadata.model"
     try:
         checks.check_one_of(f"{key}.name'", spec.get("name"), tuple(MODELS))
-        checks.check_one_of(f"{key}.transforms'", spec.get("transforms"), ("cifar10", "cifar100"))
+        checks.check_one_of(f"{key}.transforms'", spec.get("transforms"), tuple(_SOURCE_FILES))
         if not isinstance(spec.get("augment"), bool):
             raise checks.WrongTypeError(f"{key}.augment' must be true or false")
         if not isinstance(spec.get("args"), dict):

@@ -23,6 +23,8 @@ Scenario                            Training data of task ``t``                 
 :class:`DataIncrementalScenario`    the samples of the domains of task ``t``    same, test pool
 :class:`FeatureSortingScenario`     chunk ``t`` after sorting by a feature      chunk ``t`` of the
                                                                                 sorted test pool
+:class:`HueShiftScenario`           chunk ``t`` after sorting by dominant hue   chunk ``t`` of the
+                                                                                sorted test pool
 ==================================  ==========================================  ===================
 
 "Random chunk" means the training pool is shuffled and cut into ``num_tasks`` disjoint parts whose
@@ -39,7 +41,12 @@ Example:
 from __future__ import annotations
 
 from renate_events.scenarios.base import DEFAULT_TEST_FRACTION, Scenario, Task
-from renate_events.scenarios.classes import ClassIncrementalScenario
+from renate_events.scenarios.classes import (
+    ClassIncrementalScenario,
+    blurry_assignment,
+    resolve_class_order,
+    shuffled_classes,
+)
 from renate_events.scenarios.presets import (
     IMAGE_SCENARIOS,
     SCENARIOS,
@@ -52,7 +59,9 @@ from renate_events.scenarios.presets import (
 from renate_events.scenarios.streams import (
     DataIncrementalScenario,
     FeatureSortingScenario,
+    HueShiftScenario,
     IIDScenario,
+    dominant_hues,
 )
 from renate_events.scenarios.transformed import (
     PermutationScenario,
@@ -67,15 +76,20 @@ __all__ = [
     "ClassIncrementalScenario",
     "DataIncrementalScenario",
     "FeatureSortingScenario",
+    "HueShiftScenario",
     "IIDScenario",
     "PermutationScenario",
     "RotationScenario",
     "Scenario",
     "Task",
+    "blurry_assignment",
+    "dominant_hues",
     "permuted_digits",
+    "resolve_class_order",
     "rotate_images",
     "rotated_digits",
     "seq_cifar10",
     "seq_cifar100",
+    "shuffled_classes",
     "split_digits",
 ]

@@ -1,30 +1,64 @@
-"""Named scenarios: the embedded digits (:data:`SCENARIOS`) and Seq-CIFAR from local files
-(:data:`IMAGE_SCENARIOS`)."""
+"""Named scenarios: the embedded digits (:data:`SCENARIOS`), and from local image files
+(:data:`IMAGE_SCENARIOS`) Seq-CIFAR, Seq-TinyImageNet and the domain-incremental hue-shift,
+rotated and permuted images of each."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.utils.data import TensorDataset
 
-from renate_events.datasets import load_cifar10, load_cifar100, load_digits
+from renate_events.datasets import load_cifar10, load_cifar100, load_digits, load_tiny_imagenet
 from renate_events.scenarios.base import (
     DEFAULT_TEST_FRACTION,
     Scenario,
 )
 from renate_events.scenarios.classes import ClassIncrementalScenario
+from renate_events.scenarios.streams import HueShiftScenario
 from renate_events.scenarios.transformed import PermutationScenario, RotationScenario
 
 __all__ = [
+    "DOMAIN_TASKS",
     "IMAGE_SCENARIOS",
+    "IMAGE_SOURCES",
     "SCENARIOS",
+    "domain_images",
     "permuted_digits",
     "rotated_digits",
     "seq_cifar10",
     "seq_cifar100",
+    "seq_tinyimagenet",
     "split_digits",
 ]
+
+ClassOrder = Sequence[int] | str | None
+"""A class order: the class ids in order, ``"seed:N"``, or ``None`` for sorted (see
+:class:`ClassIncrementalScenario`)."""
+
+
+def _class_incremental(
+    data: TensorDataset,
+    per_task: int,
+    class_order: ClassOrder,
+    blurry: float,
+    **kwargs: Any,
+) -> ClassIncrementalScenario:
+    """``per_task`` classes per task, in sorted order or ``class_order``; ``blurry`` boundaries."""
+    num_classes = int(data.tensors[1].max()) + 1
+    if class_order is None:
+        groups = _consecutive_groups(num_classes, per_task)
+        return ClassIncrementalScenario(data, class_groups=groups, blurry=blurry, **kwargs)
+    return ClassIncrementalScenario(
+        data,
+        num_tasks=-(-num_classes // per_task),
+        class_order=class_order,
+        blurry=blurry,
+        **kwargs,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -32,12 +66,21 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def split_digits(seed: int = 0, test_fraction: float = DEFAULT_TEST_FRACTION) -> Scenario:
+def split_digits(
+    seed: int = 0,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    *,
+    class_order: ClassOrder = None,
+    blurry: float = 0.0,
+) -> Scenario:
     """Split digits: five class-incremental tasks {0, 1}, {2, 3}, ..., {8, 9} on the 8x8 digits.
 
     Args:
-        seed: Seeds the stratified train/test split.
+        seed: Seeds the stratified train/test split (and the blurry boundaries).
         test_fraction: Share of each class held out for testing.
+        class_order: Two classes per task in this order (a list of the ten ids, or
+            ``"seed:N"``); ``None``: 0, 1, ..., 9.
+        blurry: The share of each task's training samples mixed into other tasks, in [0, 1].
 
     Returns:
         A :class:`ClassIncrementalScenario` (needs scikit-learn, see
@@ -48,9 +91,8 @@ def split_digits(seed: int = 0, test_fraction: float = DEFAULT_TEST_FRACTION) ->
         >>> len(tasks), len(tasks[0].train) + len(tasks[0].test)
         (5, 360)
     """
-    groups = tuple((c, c + 1) for c in range(0, 10, 2))
-    return ClassIncrementalScenario(
-        load_digits(), class_groups=groups, test_fraction=test_fraction, seed=seed
+    return _class_incremental(
+        load_digits(), 2, class_order, blurry, test_fraction=test_fraction, seed=seed
     )
 
 
@@ -106,7 +148,13 @@ def _consecutive_groups(num_classes: int, per_task: int) -> tuple[tuple[int, ...
     return tuple(tuple(range(c, c + per_task)) for c in range(0, num_classes, per_task))
 
 
-def seq_cifar10(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
+def seq_cifar10(
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    *,
+    class_order: ClassOrder = None,
+    blurry: float = 0.0,
+) -> Scenario:
     """Seq-CIFAR-10: five class-incremental tasks {0, 1}, {2, 3}, ..., {8, 9} on CIFAR-10.
 
     The setting of the DER paper (Buzzega et al., "Dark Experience for General Continual
@@ -117,8 +165,10 @@ def seq_cifar10(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
     Args:
         path: The folder of the CIFAR-10 binary version (``cifar-10-batches-bin`` or the folder
             above it), read by :func:`renate_events.datasets.load_cifar10`; nothing is downloaded.
-        seed: The scenario's seed (the split is fixed by the files, so it changes nothing here; it
-            is kept for the same call as the other scenarios).
+        seed: The scenario's seed (the split is fixed by the files; it seeds the blurry
+            boundaries).
+        class_order: Two classes per task in this order (the ten ids, or ``"seed:N"``).
+        blurry: The share of each task's training samples mixed into other tasks, in [0, 1].
 
     Returns:
         A :class:`ClassIncrementalScenario` of ``uint8`` images ``(N, 3, 32, 32)`` (convert them to
@@ -129,14 +179,17 @@ def seq_cifar10(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
         >>> [task.classes for task in tasks]  # doctest: +SKIP
         [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
     """
-    train = load_cifar10(path, dtype=torch.uint8)
-    test = load_cifar10(path, train=False, dtype=torch.uint8)
-    return ClassIncrementalScenario(
-        train, class_groups=_consecutive_groups(10, 2), test_dataset=test, seed=seed
-    )
+    train, test = _cifar10(path)
+    return _class_incremental(train, 2, class_order, blurry, test_dataset=test, seed=seed)
 
 
-def seq_cifar100(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
+def seq_cifar100(
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    *,
+    class_order: ClassOrder = None,
+    blurry: float = 0.0,
+) -> Scenario:
     """Seq-CIFAR-100: ten class-incremental tasks of ten fine classes, {0..9}, {10..19}, ...
 
     The common Seq-CIFAR-100 setting (the 10-task split of the DER authors' follow-up, X-DER,
@@ -148,20 +201,112 @@ def seq_cifar100(path: str | os.PathLike[str], seed: int = 0) -> Scenario:
         path: The folder of the CIFAR-100 binary version (``cifar-100-binary`` or the folder above
             it), read by :func:`renate_events.datasets.load_cifar100`; nothing is downloaded.
         seed: The scenario's seed (see :func:`seq_cifar10`).
+        class_order: Ten classes per task in this order (the 100 ids, or ``"seed:N"``).
+        blurry: The share of each task's training samples mixed into other tasks, in [0, 1].
 
     Returns:
         A :class:`ClassIncrementalScenario` of ``uint8`` images ``(N, 3, 32, 32)``.
     """
+    train, test = _cifar100(path)
+    return _class_incremental(train, 10, class_order, blurry, test_dataset=test, seed=seed)
+
+
+def seq_tinyimagenet(
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    *,
+    class_order: ClassOrder = None,
+    blurry: float = 0.0,
+) -> Scenario:
+    """Seq-TinyImageNet: ten class-incremental tasks of twenty classes on Tiny-ImageNet (64x64).
+
+    The setting of Mammoth's ``seq-tinyimg`` (Buzzega et al., NeurIPS 2020): the 200 classes
+    (wnids in sorted order, :func:`~renate_events.datasets.load_tiny_imagenet`) twenty per task,
+    each task tested on the labelled validation images of its classes.
+
+    Args:
+        path: ``tiny-imagenet-200`` or the folder above it; nothing is downloaded.
+        seed: The scenario's seed (seeds the blurry boundaries).
+        class_order: Twenty classes per task in this order (the 200 ids, or ``"seed:N"``).
+        blurry: The share of each task's training samples mixed into other tasks, in [0, 1].
+
+    Returns:
+        A :class:`ClassIncrementalScenario` of ``uint8`` images ``(N, 3, 64, 64)``.
+    """
+    train, test = _tinyimagenet(path)
+    return _class_incremental(train, 20, class_order, blurry, test_dataset=test, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Domain-incremental scenarios on any of the image data sets
+# --------------------------------------------------------------------------------------------
+
+
+def _cifar10(path: str | os.PathLike[str]) -> tuple[TensorDataset, TensorDataset]:
+    return load_cifar10(path, dtype=torch.uint8), load_cifar10(path, train=False, dtype=torch.uint8)
+
+
+def _cifar100(path: str | os.PathLike[str]) -> tuple[TensorDataset, TensorDataset]:
     train = load_cifar100(path, dtype=torch.uint8)
-    test = load_cifar100(path, train=False, dtype=torch.uint8)
-    return ClassIncrementalScenario(
-        train, class_groups=_consecutive_groups(100, 10), test_dataset=test, seed=seed
-    )
+    return train, load_cifar100(path, train=False, dtype=torch.uint8)
+
+
+def _tinyimagenet(path: str | os.PathLike[str]) -> tuple[TensorDataset, TensorDataset]:
+    return load_tiny_imagenet(path), load_tiny_imagenet(path, train=False)
+
+
+IMAGE_SOURCES: dict[str, Callable[[str | os.PathLike[str]], tuple[TensorDataset, TensorDataset]]]
+IMAGE_SOURCES = {"cifar10": _cifar10, "cifar100": _cifar100, "tinyimagenet": _tinyimagenet}
+"""The image data sets read from local files, by name: ``(train, test)`` of ``uint8`` images."""
+
+DOMAIN_TASKS = 5
+"""The number of tasks of the named domain-incremental image scenarios."""
+_DOMAIN_DEGREES = (0.0, 45.0, 90.0, 135.0, 180.0)  # as rotated_digits
+
+
+def domain_images(kind: str, source: str, path: str | os.PathLike[str], seed: int = 0) -> Scenario:
+    """A domain-incremental scenario of :data:`DOMAIN_TASKS` tasks on an image data set.
+
+    Every task has all classes; what changes is the input distribution, as in Renate's
+    scenarios of the same names:
+
+    * ``"hue-shift"``: :class:`HueShiftScenario`, the images sorted by dominant hue;
+    * ``"rotated"``: :class:`RotationScenario`, task ``t`` rotated by 0, 45, 90, 135, 180 degrees;
+    * ``"permuted"``: :class:`PermutationScenario`, task 0 plain, each later task its own pixel
+      permutation drawn from ``seed``.
+
+    Args:
+        kind: ``"hue-shift"``, ``"rotated"`` or ``"permuted"``.
+        source: A name of :data:`IMAGE_SOURCES`.
+        path: The data's folder; nothing is downloaded.
+        seed: Seeds the chunks and the permutations.
+
+    Returns:
+        The scenario, on the data set's ``uint8`` images and its official test split.
+    """
+    train, test = IMAGE_SOURCES[source](path)
+    if kind == "hue-shift":
+        return HueShiftScenario(train, DOMAIN_TASKS, test_dataset=test, seed=seed)
+    if kind == "rotated":
+        return RotationScenario(
+            train, _DOMAIN_DEGREES, test_dataset=test, seed=seed, byte_images=True
+        )
+    if kind == "permuted":
+        return PermutationScenario(train, DOMAIN_TASKS, test_dataset=test, seed=seed)
+    raise ValueError(f"domain_images: kind must be hue-shift, rotated or permuted, got {kind!r}")
 
 
 IMAGE_SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "seq-cifar10": seq_cifar10,
     "seq-cifar100": seq_cifar100,
+    "seq-tinyimagenet": seq_tinyimagenet,
+    **{
+        f"{kind}-{source}": functools.partial(domain_images, kind, source)
+        for kind in ("hue-shift", "rotated", "permuted")
+        for source in IMAGE_SOURCES
+    },
 }
 """Named scenarios on image data sets in local files; build one with
-``IMAGE_SCENARIOS[name](path, seed=0)`` (not in :data:`SCENARIOS`, whose entries take no path)."""
+``IMAGE_SCENARIOS[name](path, seed=0)`` (not in :data:`SCENARIOS`, whose entries take no path).
+The ``seq-`` ones are class-incremental (and take ``class_order`` and ``blurry``); the others are
+:func:`domain_images`."""

@@ -1,8 +1,9 @@
-"""Scenarios that cut a stream of data: IID chunks, domains given by the data, a sorted feature."""
+"""Scenarios that cut a stream of data: IID chunks, domains given by the data, a sorted feature or
+hue."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
@@ -27,7 +28,16 @@ from renate_events.scenarios.base import (
 from renate_events.scenarios.classes import convert_groups
 from trainer import validators
 
-__all__ = ["DataIncrementalScenario", "FeatureSortingScenario", "IIDScenario"]
+__all__ = [
+    "HUE_BINS",
+    "DataIncrementalScenario",
+    "FeatureSortingScenario",
+    "HueShiftScenario",
+    "IIDScenario",
+    "dominant_hues",
+    "soft_sorted_order",
+    "sorted_tasks",
+]
 
 
 @attrs.frozen(eq=False)
@@ -369,29 +379,155 @@ class FeatureSortingScenario(Scenario):
     def _order(self, inputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         feature = inputs[:, self.feature_idx]
         scores = feature.reshape(feature.shape[0], -1).to(torch.float64).mean(dim=1)
-        order = torch.sort(scores.cpu(), stable=True).indices
-        swaps = int(self.randomness * len(order) / 2)
-        if swaps:
-            positions = order.tolist()
-            for i, j in torch.randint(len(order), (swaps, 2), generator=generator).tolist():
-                positions[i], positions[j] = positions[j], positions[i]
-            order = torch.tensor(positions, dtype=torch.int64)
-        return order
+        return soft_sorted_order(scores, self.randomness, generator)
 
     def _build(self, train: Pool, test: Pool) -> list[Task]:
-        generator = stream_generator(self.seed, TASK_STREAM)
-        train_chunks = torch.tensor_split(self._order(train[0], generator), self.num_tasks)
-        test_chunks = torch.tensor_split(self._order(test[0], generator), self.num_tasks)
-        tasks = []
-        for task_id, (train_idx, test_idx) in enumerate(zip(train_chunks, test_chunks)):
-            x, y = take(train, train_idx)
-            test_x, test_y = take(test, test_idx)
-            tasks.append(
-                Task(
-                    task_id=task_id,
-                    train=TensorDataset(x, y),
-                    test=TensorDataset(test_x, test_y),
-                    classes=classes_of(y, test_y),
-                )
+        return sorted_tasks(train, test, self.num_tasks, self._order, self.seed)
+
+
+def soft_sorted_order(
+    scores: torch.Tensor, randomness: float, generator: torch.Generator
+) -> torch.Tensor:
+    """The indices that sort ``scores`` (stably), then ``int(randomness * n / 2)`` random pairs of
+    positions swapped one after another (Renate's soft sorting)."""
+    order = torch.sort(scores.cpu(), stable=True).indices
+    swaps = int(randomness * len(order) / 2)
+    if swaps:
+        positions = order.tolist()
+        for i, j in torch.randint(len(order), (swaps, 2), generator=generator).tolist():
+            positions[i], positions[j] = positions[j], positions[i]
+        order = torch.tensor(positions, dtype=torch.int64)
+    return order
+
+
+def sorted_tasks(
+    train: Pool,
+    test: Pool,
+    num_tasks: int,
+    order: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
+    seed: int,
+) -> list[Task]:
+    """Tasks made of consecutive chunks of the training and the test pool, each put in the order
+    ``order(inputs, generator)`` returns."""
+    generator = stream_generator(seed, TASK_STREAM)
+    train_chunks = torch.tensor_split(order(train[0], generator), num_tasks)
+    test_chunks = torch.tensor_split(order(test[0], generator), num_tasks)
+    tasks = []
+    for task_id, (train_idx, test_idx) in enumerate(zip(train_chunks, test_chunks)):
+        x, y = take(train, train_idx)
+        test_x, test_y = take(test, test_idx)
+        tasks.append(
+            Task(
+                task_id=task_id,
+                train=TensorDataset(x, y),
+                test=TensorDataset(test_x, test_y),
+                classes=classes_of(y, test_y),
             )
-        return tasks
+        )
+    return tasks
+
+
+HUE_BINS = 100
+"""Bins of the hue histogram whose fullest bin is an image's dominant hue (Renate's number)."""
+_HUE_CHUNK = 1024  # images per histogram pass: the per-pixel hues of a chunk stay small
+
+
+def dominant_hues(images: torch.Tensor) -> torch.Tensor:
+    """The dominant hue of each RGB image: the left edge of the fullest of :data:`HUE_BINS` equal
+    bins of its pixels' hues in [0, 1).
+
+    Hue as in the HSV model (and Pillow's ``convert("HSV")``): 0 red, 1/3 green, 2/3 blue, 0 for
+    grey pixels (equal channels). Scale does not matter (``uint8`` and ``[0, 1]`` floats give the
+    same hues). Whole-batch tensor operations, a chunk of images at a time.
+
+    Args:
+        images: ``(N, 3, H, W)`` RGB images, integer or floating point.
+
+    Returns:
+        ``float64`` tensor ``(N,)`` of values ``k / HUE_BINS``.
+
+    Example:
+        >>> import torch
+        >>> red, blue = torch.zeros(1, 3, 2, 2), torch.zeros(1, 3, 2, 2)
+        >>> red[:, 0], blue[:, 2] = 1.0, 1.0
+        >>> dominant_hues(torch.cat([red, blue])).tolist()
+        [0.0, 0.66]
+    """
+    parts = []
+    for chunk in torch.split(images, _HUE_CHUNK):
+        hue = _hues(chunk.to(torch.float32))
+        bins = (hue.flatten(1) * HUE_BINS).long().clamp_(0, HUE_BINS - 1)
+        counts = torch.zeros(len(chunk), HUE_BINS, dtype=torch.int64, device=chunk.device)
+        counts.scatter_add_(1, bins, torch.ones_like(bins))
+        parts.append(counts.argmax(dim=1).to(torch.float64) / HUE_BINS)
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat(parts).cpu()
+
+
+def _hues(rgb: torch.Tensor) -> torch.Tensor:
+    """Per-pixel hue in [0, 1) of ``(N, 3, H, W)`` floats (0 where the channels are equal)."""
+    r, g, b = rgb.unbind(1)
+    high, low = rgb.max(dim=1).values, rgb.min(dim=1).values
+    delta = high - low
+    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
+    hue = torch.where(
+        high == r,
+        torch.remainder((g - b) / safe, 6.0),
+        torch.where(high == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0),
+    )
+    return torch.where(delta > 0, hue / 6.0, torch.zeros_like(hue))
+
+
+def _check_rgb(instance: HueShiftScenario, attribute: Any, value: Any) -> None:
+    validators.int_at_least(1)(instance, attribute, value)
+    instance._check_chunks(value, test_too=True)
+    for name, data in (("dataset", instance.dataset), ("test_dataset", instance.test_dataset)):
+        shape = () if data is None else tuple(data.tensors[0].shape[1:])
+        if data is not None and (len(shape) != 3 or shape[0] != 3):
+            kind = "grayscale images have no hue" if len(shape) == 2 or shape[:1] == (1,) else ""
+            raise ValueError(
+                f"HueShiftScenario: {name} must hold RGB images (N, 3, H, W), got per-sample "
+                f"shape {shape}{'; ' + kind if kind else ''}; use RotationScenario or "
+                "PermutationScenario for other images"
+            )
+
+
+@attrs.frozen(eq=False)
+class HueShiftScenario(Scenario):
+    """Sorted by colour: task ``t`` holds the ``t``-th chunk of the images in order of hue.
+
+    Renate's ``HueShiftScenario``: every image's dominant hue (:func:`dominant_hues`, the fullest
+    of 100 hue bins) is its score; the training pool and the test pool are each sorted by it and
+    cut into ``num_tasks`` chunks whose sizes differ by at most one, so the colours drift from red
+    through green and blue from task to task. ``randomness`` softens the order as in
+    :class:`FeatureSortingScenario`. One difference from Renate: the bins span the whole hue
+    circle [0, 1), where Renate's ``numpy.histogram`` spans each image's own range of hues, so
+    scores here are comparable between images.
+
+    Args:
+        dataset: RGB images ``(N, 3, H, W)`` (see :class:`Scenario`), any dtype; grayscale
+            images are refused.
+        num_tasks: Number of tasks, at most the size of the training and of the test pool.
+        randomness: In [0, 1]; 0 (default) keeps the exact order.
+        test_dataset, test_fraction, seed: See :class:`Scenario`.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> images = torch.rand(12, 3, 4, 4)
+        >>> tasks = HueShiftScenario(TensorDataset(images, torch.arange(12) % 2), 2).tasks()
+        >>> len(tasks), len(tasks[0].train) + len(tasks[1].train)
+        (2, 8)
+    """
+
+    num_tasks: int = attrs.field(validator=_check_rgb)  # type: ignore[assignment]
+    randomness: float = attrs.field(
+        default=0.0, kw_only=True, validator=validators.real_in_range(0, 1)
+    )
+
+    def _order(self, inputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return soft_sorted_order(dominant_hues(inputs), self.randomness, generator)
+
+    def _build(self, train: Pool, test: Pool) -> list[Task]:
+        return sorted_tasks(train, test, self.num_tasks, self._order, self.seed)

@@ -144,10 +144,15 @@ def _check_image_shape(instance: RotationScenario, attribute: Any, value: Any) -
             f"{name} must be (C, H, W) or (H, W) of positive ints holding the "
             f"{math.prod(per_sample)} values of one input (shape {per_sample}), got {value!r}"
         )
-    if not inputs.dtype.is_floating_point:
+    if instance.byte_images and inputs.dtype != torch.uint8:
+        raise TypeError(
+            f"{type(instance).__name__}: byte_images=True takes uint8 inputs, got {inputs.dtype}"
+        )
+    if not inputs.dtype.is_floating_point and not instance.byte_images:
         raise TypeError(
             f"{type(instance).__name__}: rotation interpolates, so inputs must be floating point, "
-            f"got {inputs.dtype}; convert them with inputs.float()"
+            f"got {inputs.dtype}; convert them with inputs.float() (or pass byte_images=True for "
+            "uint8 images)"
         )
 
 
@@ -162,12 +167,15 @@ class RotationScenario(Scenario):
     of the training pool and is tested on the whole test pool rotated by its angle.
 
     Args:
-        dataset: The data (see :class:`Scenario`), floating-point inputs.
+        dataset: The data (see :class:`Scenario`), floating-point inputs (``uint8`` ones with
+            ``byte_images``).
         degrees: One angle per task, in degrees; positive is counter-clockwise.
         image_shape: How to view one input as an image, ``(C, H, W)`` or ``(H, W)``; ``None`` if
             the inputs already are images of that shape. Outputs keep the inputs' shape.
         interpolation: ``"bilinear"`` (default) or ``"nearest"`` (torchvision's default for
             ``RandomRotation``, used by Renate).
+        byte_images: The inputs are ``uint8`` image bytes: each task's images are rotated as
+            floats and rounded back to ``uint8`` (a quarter of the memory of float images).
         test_dataset, test_fraction, seed: See :class:`Scenario`.
 
     Example:
@@ -180,6 +188,7 @@ class RotationScenario(Scenario):
     """
 
     degrees: tuple[float, ...] = attrs.field(converter=_to_degrees, validator=_check_degrees)
+    byte_images: bool = attrs.field(default=False, kw_only=True, validator=validators.boolean)
     image_shape: tuple[int, ...] | None = attrs.field(
         default=None, converter=_to_shape, validator=_check_image_shape
     )
@@ -215,6 +224,9 @@ class RotationScenario(Scenario):
         if len(shape) == 2:
             shape = (1, *shape)
         images = inputs.reshape(inputs.shape[0], *shape)
+        if images.dtype == torch.uint8:  # image bytes: rotated as floats, rounded back
+            rotated = rotate_images(images.float(), angle, interpolation=self.interpolation)
+            return rotated.round_().clamp_(0, 255).to(torch.uint8).reshape(inputs.shape)
         return rotate_images(images, angle, interpolation=self.interpolation).reshape(inputs.shape)
 
 

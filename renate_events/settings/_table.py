@@ -61,6 +61,7 @@ _UPDATER = "renate_events.updater:ModelUpdater."
 _LEARNER = "renate_events.learners:BaseExperienceReplayLearner."
 _TRAINER = "trainer:Trainer."
 _MMD = "renate_events.shift:MMDCovariateShiftDetector."
+_CLASSES = "renate_events.scenarios:ClassIncrementalScenario."
 _SCENARIO_NAMES = tuple(sorted({**SCENARIOS, **IMAGE_SCENARIOS}))
 _CONFIG_FILE_HELP = (
     "Python file defining model_fn, data_fn and optionally loss_fn, optimizer_fn, ... "
@@ -96,12 +97,50 @@ _ALL = (
     ),
     Setting(
         "data_dir",
-        "with seq-cifar10/100: the folder of the CIFAR binary version (never downloaded)",
+        "with an image scenario: the folder of its data set (CIFAR binary version, "
+        "tiny-imagenet-200; never downloaded)",
         variants={
             "evaluate": {
-                "help": "with --scenario seq-cifar10/100: the folder of the CIFAR binary version"
+                "help": "with an image scenario: the folder of its data set (CIFAR binary version, "
+                "tiny-imagenet-200)"
             }
         },
+    ),
+    Setting(
+        "class_order",
+        "class-incremental scenarios: the order of the classes, seed:N (shuffled with seed N) or "
+        "the class ids in order, comma-separated such as 3,1,0,2 (default: sorted); recorded in "
+        "the results",
+        metavar="ORDER",
+        maps_onto=(_CLASSES + "class_order",),
+    ),
+    Setting(
+        "blurry",
+        "class-incremental scenarios: the share of each task's training samples that moves to "
+        "other tasks (blurry boundaries, Blurry-M), in [0, 1] (default {default})",
+        kind="float",
+        default=0.0,
+        low=0.0,
+        high=1.0,
+        metavar="M",
+        maps_onto=(_CLASSES + "blurry",),
+    ),
+    Setting(
+        "online",
+        "online continual learning: one pass over each task's data (each sample seen once, in "
+        "batches of --batch-size), the accuracy on the tasks seen so far every --eval-every "
+        "steps (the anytime-accuracy curve in results.json and anytime_accuracy.png)",
+        kind="flag",
+    ),
+    Setting(
+        "eval_every",
+        "with --online: training steps between two evaluations (default {default})",
+        kind="int",
+        default=50,
+        low=1,
+        deferred=True,
+        metavar="STEPS",
+        maps_onto=("renate_events.anytime:AnytimeAccuracy.every",),
     ),
     Setting(
         "no_augment",
@@ -529,7 +568,8 @@ _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_
 
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": (
-        *("config", "scenario", "data_dir", "no_augment", "chunks", "seeds", "hidden"),
+        *("config", "scenario", "data_dir", "class_order", "blurry", "online", "eval_every"),
+        *("no_augment", "chunks", "seeds", "hidden"),
         *("model", "pretrained", "model_args", "output_dir", "overwrite", *_TRAINING, *_SELECTION),
     ),
     "update": (

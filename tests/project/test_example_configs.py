@@ -12,7 +12,7 @@ import torch
 from renate_events.config import ConfigError, load_config
 from renate_events.methods import ExperienceReplayLearner
 from tests.helpers import ROOT
-from tests.renate_events.test_datasets_cifar import write_cifar10
+from tests.renate_events.datasets.test_readers_cifar import write_cifar10
 from trainer import Trainer
 
 CONFIGS = ROOT / "examples" / "configs"

@@ -16,7 +16,7 @@ from renate_events.config import load_config
 from renate_events.state_folder import read_manifest
 from renate_events.updater import ModelUpdater, dataset_tensors
 from tests.helpers import ROOT, run_cli
-from tests.renate_events.test_datasets_cifar import write_cifar10
+from tests.renate_events.datasets.test_readers_cifar import write_cifar10
 
 CONFIGS = ROOT / "examples" / "configs"
 SETTINGS = ["--learner", "er", "--memory-size", "40", "--memory-batch-size", "8"]

@@ -366,3 +366,14 @@ def test_learners_call_the_model_on_transformed_inputs_only(
     )
     for task in range(2):
         assert learner.fit(uint8_task(task)).steps == steps
+
+
+def test_the_tinyimagenet_preset_crops_64_and_normalises_with_its_statistics():
+    from renate_events.transforms import TINYIMAGENET_MEAN, TINYIMAGENET_STD
+
+    images = torch.full((2, 3, 64, 64), 128, dtype=torch.uint8)
+    train = cifar_train_transform("tinyimagenet")(images)
+    assert train.shape == (2, 3, 64, 64) and train.dtype == torch.float32
+    test = cifar_test_transform("tinyimagenet")(images)
+    expected = (128 / 255 - torch.tensor(TINYIMAGENET_MEAN)) / torch.tensor(TINYIMAGENET_STD)
+    assert torch.allclose(test[0, :, 0, 0], expected)

@@ -17,7 +17,7 @@ from renate_events.cli._parser import parse
 from renate_events.cli._zoo import IMAGE_DATA, resolved_model
 from renate_events.scenarios import IMAGE_SCENARIOS
 from tests.helpers import one_line_cli_error
-from tests.renate_events.test_datasets_cifar import write_cifar10, write_cifar100
+from tests.renate_events.datasets.test_readers_cifar import write_cifar10, write_cifar100
 
 SLOW = pytest.mark.slow  # one ResNet-18 run (about 5 s on a shared CPU), shared by these tests
 FAST = ["--epochs", "1", "--no-progress", "--device", "cpu", "--learner", "er"]

@@ -294,7 +294,7 @@ def test_flags_must_be_bools(tmp_path: pathlib.Path, loader) -> None:
 
 
 def test_no_object_serialization_in_the_module() -> None:
-    source = inspect.getsource(datasets)
+    source = "".join(inspect.getsource(m) for m in (datasets, datasets.readers, datasets.images))
     for word in ("pickle", "torch.save", "torch.load", "urllib", "requests", "torchvision"):
         if word == "torchvision":
             assert "import torchvision" not in source
@@ -304,5 +304,7 @@ def test_no_object_serialization_in_the_module() -> None:
 
 def test_docstring_examples_run() -> None:
     pytest.importorskip("sklearn")
-    result = doctest.testmod(datasets, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
+    for module in (datasets, datasets.readers, datasets.images):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0
+    assert doctest.testmod(datasets, optionflags=doctest.ELLIPSIS).attempted > 0

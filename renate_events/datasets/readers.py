@@ -1,39 +1,6 @@
-"""Data sets as ``TensorDataset`` of ``(inputs, targets)``, read from local files, never downloaded.
-
-* :func:`load_digits`: scikit-learn's bundled 8x8 digits (1 797 images, no download at all), or
-  the same ``digits.csv.gz`` file from a folder of your own.
-* :func:`load_mnist`, :func:`load_fashion_mnist`: the IDX files of MNIST and Fashion-MNIST
-  (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
-  ``t10k-labels-idx1-ubyte``, each optionally ``.gz``-compressed).
-* :func:`load_cifar10`: the *binary version* of CIFAR-10 (``cifar-10-batches-bin/data_batch_1.bin``
-  to ``data_batch_5.bin`` and ``test_batch.bin``; each record is one label byte followed by the
-  3 072 bytes of a 32x32 image, channel by channel).
-* :func:`load_cifar100`: the binary version of CIFAR-100 (``cifar-100-binary/train.bin`` and
-  ``test.bin``; each record is a coarse label byte, a fine label byte and the 3 072 image bytes),
-  with the 100 fine or the 20 coarse labels.
-* :func:`load_image_folder`: a folder of PNG or JPEG images, one sub-folder per class (needs
-  Pillow, the ``images`` extra).
-
-The readers are written here with plain file reading (``struct`` and ``torch.frombuffer``):
-torchvision cannot be installed beside the torch build this project pins, and the "python version"
-of CIFAR-10 is a serialized Python object file that this package will not load, so only the binary
-version is supported. Nothing here downloads: a missing file raises :class:`FileNotFoundError`
-naming the path that was expected and where to get the files. Headers and sizes are checked and a
-corrupt file raises :class:`ValueError` naming it.
-
-Inputs are ``float32`` in ``[0, 1]`` (the CIFAR readers keep the raw ``uint8`` bytes with
-``dtype=torch.uint8``, a quarter of the memory; :func:`load_image_folder` always does); targets
-are ``int64``. :func:`load_digits` returns flat
-``(N, 64)`` inputs by default (the data set is distributed as 64 features); the image readers
-return ``(N, C, H, W)`` images by default. Every loader takes ``flatten`` to choose, and
-:func:`reshape_inputs` converts afterwards.
-
-Example:
-    >>> from renate_events.datasets import load_digits, reshape_inputs
-    >>> digits = load_digits()
-    >>> reshape_inputs(digits, (1, 8, 8)).tensors[0].shape
-    torch.Size([1797, 1, 8, 8])
-"""
+"""The readers of the standard data sets' own file formats: digits, MNIST, Fashion-MNIST, CIFAR-10
+and CIFAR-100 (plain file reading, no Pillow), and :func:`root_dir`, the folder check every reader
+shares."""
 
 from __future__ import annotations
 
@@ -44,7 +11,6 @@ import pathlib
 import struct
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
@@ -52,14 +18,13 @@ from torch.utils.data import TensorDataset
 from trainer import validators
 
 __all__ = [
-    "ImageFolderDataset",
     "load_cifar10",
     "load_cifar100",
     "load_digits",
     "load_fashion_mnist",
-    "load_image_folder",
     "load_mnist",
     "reshape_inputs",
+    "root_dir",
 ]
 
 _EXTRA_HINT = "install the optional dependencies with `pip install renate-events[examples]`"
@@ -76,8 +41,6 @@ _CIFAR100_URL = (
     "for C programs)', cifar-100-binary.tar.gz, and extract it with `tar xzf "
     "cifar-100-binary.tar.gz -C ROOT` (ROOT/cifar-100-binary/train.bin, test.bin)"
 )
-_PILLOW_HINT = "install Pillow with `pip install renate-events[images]` (or `pip install Pillow`)"
-_IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
 _IDX_UINT8 = 0x08
 _MNIST_SHAPE = (28, 28)
@@ -128,7 +91,7 @@ def load_digits(
     if root is None:
         pixels, targets = _digits_from_sklearn()
     else:
-        pixels, targets = _digits_from_folder(_root_dir(root, "load_digits"))
+        pixels, targets = _digits_from_folder(root_dir(root, "load_digits"))
     inputs = pixels.to(torch.float32) / _DIGITS_MAX
     if not flatten:
         inputs = inputs.reshape(-1, 1, 8, 8)
@@ -237,7 +200,7 @@ def load_cifar10(
     _check_flag("train", train)
     _check_flag("flatten", flatten)
     _check_dtype("load_cifar10", dtype)
-    folder = _root_dir(root, "load_cifar10", _CIFAR_URL)
+    folder = root_dir(root, "load_cifar10", _CIFAR_URL)
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] if train else ["test_batch.bin"]
     candidates = [folder / "cifar-10-batches-bin", folder]
     images, labels = [], []
@@ -291,7 +254,7 @@ def load_cifar100(
     _check_flag("flatten", flatten)
     _check_dtype("load_cifar100", dtype)
     validators.check_one_of("load_cifar100: labels", labels, tuple(_CIFAR100_CLASSES))
-    folder = _root_dir(root, "load_cifar100", _CIFAR100_URL)
+    folder = root_dir(root, "load_cifar100", _CIFAR100_URL)
     name = "train.bin" if train else "test.bin"
     candidates = [folder / "cifar-100-binary", folder]
     path = _find_file(candidates, name, "CIFAR-100", _CIFAR100_URL, allow_gz=False)
@@ -427,7 +390,7 @@ def _load_idx_pair(
 ) -> TensorDataset:
     _check_flag("train", train)
     _check_flag("flatten", flatten)
-    folder = _root_dir(root, f"load_{name.lower().replace('-', '_')}")
+    folder = root_dir(root, f"load_{name.lower().replace('-', '_')}")
     candidates = [folder, folder.joinpath(*subfolder)]
     prefix = "train" if train else "t10k"
     image_path = _find_file(candidates, f"{prefix}-images-idx3-ubyte", name, url, allow_gz=True)
@@ -510,170 +473,13 @@ def _read_cifar_file(path: pathlib.Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------------------
-# Image folders (Pillow)
-# --------------------------------------------------------------------------------------------
-
-
-class ImageFolderDataset(TensorDataset):
-    """``TensorDataset(images, targets)`` read by :func:`load_image_folder`, with the class names.
-
-    Attributes:
-        classes: The class (sub-folder) names, sorted; target ``i`` is ``classes[i]``.
-        files: The file of each sample, in order.
-    """
-
-    def __init__(
-        self,
-        images: torch.Tensor,
-        targets: torch.Tensor,
-        classes: Sequence[str],
-        files: Sequence[pathlib.Path],
-    ) -> None:
-        super().__init__(images, targets)
-        self.classes = tuple(classes)
-        self.files = tuple(files)
-
-
-def _import_pillow() -> Any:
-    try:
-        from PIL import Image
-    except ImportError as exc:
-        raise ImportError(
-            f"load_image_folder reads PNG and JPEG files with Pillow: {_PILLOW_HINT}"
-        ) from exc
-    return Image
-
-
-def _check_size(size: object) -> tuple[int, int] | None:
-    if size is None:
-        return None
-    if validators.is_int(size):
-        size = (size, size)
-    ok = (
-        isinstance(size, (tuple, list))
-        and len(size) == 2
-        and all(validators.is_int(v) and 1 <= v <= 2**15 for v in size)
-    )
-    if not ok:
-        raise ValueError(
-            f"load_image_folder: size must be None, an int or (height, width) of ints in "
-            f"[1, 32768], got {size!r}"
-        )
-    return (int(size[0]), int(size[1]))
-
-
-def _image_files(folder: pathlib.Path) -> tuple[list[str], list[pathlib.Path], list[int]]:
-    classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
-    if not classes:
-        raise FileNotFoundError(
-            f"load_image_folder: {str(folder)!r} has no sub-folders; lay the images out as "
-            "ROOT/<class name>/<image>.png (or .jpg), one sub-folder per class"
-        )
-    files, targets = [], []
-    for index, name in enumerate(classes):
-        found = sorted(
-            path
-            for path in (folder / name).iterdir()
-            if path.is_file() and path.suffix.lower() in _IMAGE_EXTENSIONS
-        )
-        if not found:
-            raise FileNotFoundError(
-                f"load_image_folder: class folder {str(folder / name)!r} holds no "
-                f"{'/'.join(_IMAGE_EXTENSIONS)} files; remove it or add images"
-            )
-        files += found
-        targets += [index] * len(found)
-    return classes, files, targets
-
-
-def _read_image(
-    image_module: Any, path: pathlib.Path, mode: str | None, size: tuple[int, int] | None
-) -> torch.Tensor:
-    """One image as a ``(H, W, C)`` uint8 tensor (from Pillow's raw bytes, no NumPy needed)."""
-    try:
-        with image_module.open(path) as image:
-            if mode is not None and image.mode != mode:
-                image = image.convert(mode)
-            if size is not None and image.size != (size[1], size[0]):
-                image = image.resize((size[1], size[0]), image_module.Resampling.BILINEAR)
-            if image.mode not in ("L", "LA", "RGB", "RGBA", "CMYK", "P"):
-                raise ValueError(f"mode {image.mode!r} is not 8 bits per channel; pass mode='RGB'")
-            channels = len(image.getbands())
-            data = bytearray(image.tobytes())
-            width, height = image.size
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise ValueError(f"{path}: cannot read this image ({exc})") from exc
-    return torch.frombuffer(data, dtype=torch.uint8).reshape(height, width, channels)
-
-
-def load_image_folder(
-    root: str | os.PathLike[str],
-    *,
-    size: int | tuple[int, int] | None = None,
-    mode: str | None = "RGB",
-) -> ImageFolderDataset:
-    """Reads ``root/<class name>/*.png`` (or ``.jpg``, ``.jpeg``): one sub-folder per class.
-
-    Classes are the sub-folder names in sorted order (target ``i`` is ``classes[i]``, as in
-    torchvision's ``ImageFolder``); within a class, files are read in sorted order. Needs Pillow
-    (``pip install renate-events[images]``).
-
-    Args:
-        root: The folder of class folders.
-        size: ``None`` (default): every image must have the shape of the first one; an int or
-            ``(height, width)``: every image is resized to it (bilinear).
-        mode: The Pillow mode every image is converted to: ``"RGB"`` (default, 3 channels),
-            ``"L"`` (grey, 1 channel), ``"RGBA"``, or ``None`` to keep each file's own (then all
-            must have the same number of channels).
-
-    Returns:
-        :class:`ImageFolderDataset`: ``uint8`` images ``(N, C, H, W)``, ``int64`` targets, and
-        ``classes`` and ``files``.
-
-    Raises:
-        ImportError: Pillow is not installed.
-        FileNotFoundError: ``root`` is missing, has no class folders, or a class folder holds no
-            image.
-        ValueError: An image cannot be read, or (without ``size``) has another shape than the
-            first one (the message names both files); a bad ``size``.
-
-    Example:
-        >>> from renate_events.datasets import load_image_folder
-        >>> data = load_image_folder("data/flowers", size=64)  # doctest: +SKIP
-        >>> data.tensors[0].shape[1:], data.classes[:2]  # doctest: +SKIP
-        (torch.Size([3, 64, 64]), ('daisy', 'rose'))
-    """
-    image_module = _import_pillow()
-    target_size = _check_size(size)
-    if mode is not None and not isinstance(mode, str):
-        raise validators.WrongTypeError(
-            f"load_image_folder: mode must be a Pillow mode string such as 'RGB' or None, "
-            f"got {mode!r}"
-        )
-    folder = _root_dir(root, "load_image_folder", "your own files laid out as ROOT/<class>/*.png")
-    classes, files, targets = _image_files(folder)
-    arrays = []
-    for path in files:
-        array = _read_image(image_module, path, mode, target_size)
-        if arrays and array.shape != arrays[0].shape:
-            height, width, channels = array.shape
-            first = arrays[0].shape
-            raise ValueError(
-                f"{path}: image of {height}x{width} pixels with {channels} channels, but "
-                f"{files[0]} has {first[0]}x{first[1]} with {first[2]}; pass size=(height, "
-                "width) to resize every image, or mode='RGB' for one channel count"
-            )
-        arrays.append(array)
-    images = torch.stack(arrays).permute(0, 3, 1, 2).contiguous()
-    return ImageFolderDataset(images, torch.tensor(targets, dtype=torch.int64), classes, files)
-
-
-# --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
 
 
-def _root_dir(root: str | os.PathLike[str], caller: str, source: str = "") -> pathlib.Path:
+def root_dir(root: str | os.PathLike[str], caller: str, source: str = "") -> pathlib.Path:
+    """``root`` as a path to an existing folder; else :class:`FileNotFoundError` naming
+    ``caller`` and where the files come from (``source``), or :class:`TypeError` for no path."""
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"{caller}: root must be a path (str or os.PathLike), got {root!r}")
     folder = pathlib.Path(root)
