@@ -13,7 +13,7 @@ import torch
 
 from renate_events.cli import main
 from tests.helpers import one_line_cli_error
-from tests.renate_events.test_datasets_cifar import write_cifar10
+from tests.renate_events.datasets.test_readers_cifar import write_cifar10
 
 transformers = pytest.importorskip("transformers")
 

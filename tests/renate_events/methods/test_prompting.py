@@ -236,7 +236,7 @@ def test_the_command_line_runs_updates_and_evaluates_a_prompt_method(name, tmp_p
     import safetensors.torch
 
     from renate_events.cli import main
-    from tests.renate_events.test_datasets_cifar import write_cifar10
+    from tests.renate_events.datasets.test_readers_cifar import write_cifar10
 
     write_cifar10(tmp_path / "c" / "cifar-10-batches-bin", per_class=2, test_per_class=1)
     out = tmp_path / "out"
