@@ -269,3 +269,39 @@ def test_log_metrics_and_log_artifact_refuse_what_they_cannot_log(tmp_path):
     tracker.finish()
     tracker.finish()  # once only
     assert [entry[0] for entry in tracker.sent] == ["start", "metrics", "end"]
+
+
+def _host_reads_of_a_fit(monkeypatch, tracker):
+    """Calls of the tensor methods that copy a value to the host, in a 2-epoch fit."""
+    count = [0]
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    trainer = Trainer(max_epochs=2, device="cpu", seed=0)
+    if tracker is not None:
+        trainer.subscribe(tracker)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer.fit(model, optimizer, make_loader(make_data()), classification_step(model))
+    monkeypatch.undo()
+    return count[0]
+
+
+def test_a_tracker_reads_the_device_once_per_row_and_once_per_epoch(monkeypatch):
+    bare = _host_reads_of_a_fit(monkeypatch, None)
+    tracker = _Recording(log_every_n_steps=4)
+    tracked = _host_reads_of_a_fit(monkeypatch, tracker)
+    rows = [entry for entry in tracker.sent if entry[0] == "metrics"]
+    assert [(step, "epoch" in values) for _, step, values in rows] == [
+        (4, False),
+        (6, True),
+        (8, False),
+        (12, False),
+        (12, True),
+    ]
+    assert tracked - bare == len(rows)  # 12 steps: 3 training rows and 2 epoch means
