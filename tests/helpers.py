@@ -284,7 +284,8 @@ def sync_errors_in_steady_state(trainer: Any, last: int) -> Iterator[None]:
 def wandb_offline_env(folder: Any) -> dict[str, str]:
     """Environment variables under which W&B runs offline, silent, without system statistics
     and with every folder of its own (runs, cache, artifacts, settings) under ``folder``: it never
-    touches the network or the home folder."""
+    touches the network or the home folder. W&B reads them at its first run in a process and
+    keeps them: give each run its folder (``WandbLogger(dir=...)``, ``--tracker-dir``)."""
     folder = str(folder)
     return {
         "WANDB_MODE": "offline",

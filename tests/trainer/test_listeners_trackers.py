@@ -151,7 +151,10 @@ def wandb_folder(tmp_path, monkeypatch):
 
 def test_wandb_logger_offline_logs_config_history_and_an_artifact(wandb_folder, tmp_path):
     trainer = Trainer(max_epochs=2, device="cpu", seed=0)
-    logger = WandbLogger(project="fit", name="first", log_every_n_steps=4, keep_open=True)
+    # dir given: W&B reads WANDB_DIR once per process (its first run's), not per run
+    logger = WandbLogger(
+        project="fit", name="first", dir=wandb_folder, log_every_n_steps=4, keep_open=True
+    )
     trainer.subscribe(logger)
     logger.log_params(PARAMS)
     _fit(trainer)
