@@ -1,5 +1,5 @@
 """The named choices of an update and their checks: buffers, where a buffer is stored, optimizers,
-transforms, and the keyword arguments of the trainer.
+transforms, experiment trackers, and the keyword arguments of the trainer.
 
 One home for :class:`~renate_events.updater.ModelUpdater`, the command line and the state folder's
 manifest schema (:mod:`renate_events.state_folder`), which all check a name against the same
@@ -34,6 +34,7 @@ from renate_events.memory.mapped import (
 )
 from renate_events.methods import METHODS
 from trainer import Trainer
+from trainer.listeners import ExperimentTracker, MLflowLogger, TensorBoardLogger, WandbLogger
 
 __all__ = [
     "BUFFERS",
@@ -41,6 +42,7 @@ __all__ = [
     "MAPPED_BUFFERS",
     "MAPPED_TYPES",
     "OPTIMIZERS",
+    "TRACKERS",
     "TRANSFORMS",
     "check_known_keys",
     "check_optimizer",
@@ -89,6 +91,13 @@ TRANSFORMS = (
 )
 """The transform arguments of :class:`~renate_events.updater.ModelUpdater` (Renate's names),
 passed to the learner."""
+
+TRACKERS: dict[str, type[ExperimentTracker]] = {
+    "mlflow": MLflowLogger,
+    "wandb": WandbLogger,
+    "tensorboard": TensorBoardLogger,
+}
+"""The experiment trackers of ``--tracker`` (``run``, ``update``), by name."""
 
 
 def default_buffer(learner: str) -> str:

@@ -38,3 +38,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Scripts run as subprocesses by the tests; never import them.
 collect_ignore = ["scripts"]
+
+
+@pytest.fixture(scope="session")
+def mlflow_store_template(tmp_path_factory):
+    """An empty MLflow SQLite store (``mlflow.db``), made once: creating a store's tables takes
+    seconds, copying the file milliseconds (:func:`tests.helpers.new_mlflow_store`)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path_factory.mktemp("mlflow-template")
+    MlflowClient(tracking_uri=f"sqlite:///{folder}/mlflow.db").search_experiments()
+    return folder / "mlflow.db"

@@ -279,3 +279,120 @@ def sync_errors_in_steady_state(trainer: Any, last: int) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(0)
         trainer.unsubscribe(sync_on)
         trainer.unsubscribe(sync_off)
+
+
+def wandb_offline_env(folder: Any) -> dict[str, str]:
+    """Environment variables under which W&B runs offline, silent, without system statistics
+    and with every folder of its own (runs, cache, artifacts, settings) under ``folder``: it never
+    touches the network or the home folder. W&B reads them at its first run in a process and
+    keeps them: give each run its folder (``WandbLogger(dir=...)``, ``--tracker-dir``)."""
+    folder = str(folder)
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_META": "true",
+        "WANDB_X_DISABLE_MACHINE_INFO": "true",
+        "WANDB_DIR": folder,
+        "WANDB_CACHE_DIR": os.path.join(folder, "cache"),
+        "WANDB_DATA_DIR": os.path.join(folder, "data"),
+        "WANDB_ARTIFACT_DIR": os.path.join(folder, "artifacts"),
+        "WANDB_CONFIG_DIR": os.path.join(folder, "config"),
+    }
+
+
+def _wandb_records(path: str) -> Iterator[Any]:
+    """The records of a W&B run file (``run-<id>.wandb``): a 7-byte header (``:W&B``, a magic
+    number, the version), then LevelDB-log blocks of 32 KiB whose chunks (a 7-byte header:
+    checksum, length, type full/first/middle/last) hold protobuf ``Record`` messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    position, block, parts = 7, 32768, b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        parts += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def wandb_runs(folder: Any, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """What the offline W&B runs under ``folder`` logged, oldest first: ``name``, ``project``,
+    ``config`` (name -> value), ``started``, ``history`` (one dict per logged step: ``_step``
+    and the values), ``artifacts`` (``(name, type, sorted file paths)``) and ``exit_code``.
+
+    ``run.finish()`` returns before W&B's service process has written the end of the run file:
+    this waits up to ``timeout`` seconds for every run's exit record."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = _read_wandb_runs(folder)
+        if all(run["exit_code"] is not None for run in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.05)
+
+
+def _item_key(item: Any) -> str:
+    """A W&B record item's key (newer versions write it as ``nested_key``)."""
+    return item.key or ".".join(item.nested_key)
+
+
+def _read_wandb_runs(folder: Any) -> list[dict[str, Any]]:
+    import glob
+    import json
+
+    runs = []
+    for path in sorted(glob.glob(os.path.join(str(folder), "wandb", "offline-run-*", "*.wandb"))):
+        run: dict[str, Any] = {"config": {}, "history": [], "artifacts": [], "exit_code": None}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run["name"], run["project"] = record.run.display_name, record.run.project
+                started = record.run.start_time
+                run["started"] = (started.seconds, started.nanos)
+                updates = record.run.config.update
+            elif kind == "config":
+                updates = record.config.update
+            else:
+                updates = []
+            for item in updates:
+                run["config"][_item_key(item)] = json.loads(item.value_json)
+            if kind == "history":
+                run["history"].append(
+                    {_item_key(item): json.loads(item.value_json) for item in record.history.item}
+                )
+            elif kind == "artifact":
+                files = sorted(entry.path for entry in record.artifact.manifest.contents)
+                run["artifacts"].append((record.artifact.name, record.artifact.type, files))
+            elif kind == "exit":
+                run["exit_code"] = record.exit.exit_code
+        runs.append(run)
+    return sorted(runs, key=lambda run: run.get("started", (0, 0)))
+
+
+def new_mlflow_store(template: Any, folder: Any) -> pathlib.Path:
+    """``folder`` (made if missing) holding a copy of the empty MLflow store ``template`` (the
+    ``mlflow_store_template`` fixture) as ``mlflow.db``: what ``MLflowLogger(folder=folder)``
+    opens, without the seconds of creating its tables."""
+    import shutil
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, folder / "mlflow.db")
+    return folder

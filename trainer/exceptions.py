@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ListenerError",
+    "MissingPackageError",
     "NonFiniteLossError",
     "SubscriptionError",
     "TrainerError",
@@ -74,3 +75,16 @@ class NonFiniteLossError(TrainerError, ArithmeticError):
         self.step = step
         self.epoch = epoch
         self.batch_idx = batch_idx
+
+
+class MissingPackageError(TrainerError, ImportError):
+    """Raised when a listener needs an optional package that is not installed.
+
+    The message names the package extra to install (``pip install 'renate-events[mlflow]'``).
+    ``package`` is the missing package, ``extra`` the extra that installs it.
+    """
+
+    def __init__(self, message: str, *, package: str, extra: str) -> None:
+        super().__init__(message, name=package)
+        self.package = package
+        self.extra = extra

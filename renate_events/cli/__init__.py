@@ -9,7 +9,8 @@ The package holds one module per command (``_run``, ``_update`` with its search 
 ``_evaluate``, ``_predict``, ``_info``, ``_shift``) over the shared parts: the parser and the
 dispatch (``_parser``), the options and their files (``_options``), data files
 (``_data_files``), the command line's models (``_zoo``), the updater of a command
-(``_updaters``) and the results of a run (``_results``).
+(``_updaters``), the results of a run (``_results``) and the experiment tracker of
+``--tracker`` (``_tracking``).
 
 Example:
     >>> import contextlib, io

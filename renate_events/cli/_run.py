@@ -35,6 +35,7 @@ from renate_events.cli._results import (
     table,
     write_run,
 )
+from renate_events.cli._tracking import log_accuracies, log_results, make_tracker, start_tracking
 from renate_events.cli._updaters import (
     config_updater,
     feature_modules,
@@ -62,6 +63,7 @@ from renate_events.models import build_model
 from renate_events.scenarios import IMAGE_SCENARIOS
 from renate_events.settings import setting
 from renate_events.updater import ModelUpdater
+from trainer.listeners import ExperimentTracker
 
 __all__ = ["run"]
 
@@ -94,6 +96,10 @@ def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank_zero = int(os.environ.get("RANK", "0")) == 0
     tokens = None if distributed else check_output_dir(options)
+    trackers = {  # each seed's run of --tracker (rank zero's), its package checked first
+        seed: make_tracker(options, options.output_dir, f"-seed{seed}") if rank_zero else None
+        for seed in options.seeds
+    }
     seeds = [
         _prepare_seed(options, seed, distributed, hyper, variants)
         if config is None
@@ -101,13 +107,19 @@ def run(values: dict[str, Any], from_file: frozenset[str]) -> int:
         for seed in options.seeds
     ]
     started = time.perf_counter()
-    runs = [_train_seed(options, plan) for plan in seeds]
-    elapsed = time.perf_counter() - started
-    if rank_zero:
-        files = result_files(options, runs, elapsed)
-        if tokens is not None:
-            write_run(options, files, {plan.seed: plan.updater for plan in seeds}, tokens)
-        print(table(options, runs, elapsed))
+    try:
+        runs = [_train_seed(options, plan, trackers[plan.seed]) for plan in seeds]
+        elapsed = time.perf_counter() - started
+        if rank_zero:
+            files = result_files(options, runs, elapsed)
+            if tokens is not None:
+                write_run(options, files, {plan.seed: plan.updater for plan in seeds}, tokens)
+            _log_results(options, trackers, runs, files if tokens is not None else {})
+            print(table(options, runs, elapsed))
+    finally:
+        for tracker in trackers.values():
+            if tracker is not None:
+                tracker.finish(failed=True)  # a run still open here did not end well
     return 0
 
 
@@ -140,6 +152,23 @@ def _anytime(options: Any, tasks: Sequence[Any], evaluated: torch.nn.Module) -> 
     if not options.online:
         return []
     return [AnytimeAccuracy(tasks, options.eval_every, model=evaluated)]
+
+
+def _log_results(
+    options: Any,
+    trackers: Mapping[int, ExperimentTracker | None],
+    runs: Sequence[Mapping[str, Any]],
+    files: Mapping[str, bytes],
+) -> None:
+    """End each seed's tracker run with its summary metrics, the result files and (once
+    written) its state folder."""
+    out = os.path.abspath(options.output_dir)
+    paths = [os.path.join(out, name) for name in files]
+    for record in runs:
+        tracker = trackers[record["seed"]]
+        if tracker is not None:
+            state = os.path.join(out, "state", f"seed-{record['seed']}") if files else None
+            log_results(tracker, record["metrics"], paths, state)
 
 
 def _run_config_file(options: Any) -> ConfigFile | None:
@@ -277,9 +306,11 @@ def _prepare_seed(
     return _Seed(seed, tasks, updater, torch.get_rng_state(), evaluated_model, *listeners)
 
 
-def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
+def _train_seed(options: Any, plan: _Seed, tracker: ExperimentTracker | None) -> dict[str, Any]:
     from renate_events import evaluation
 
+    if tracker is not None:  # its run opens now, before this seed trains
+        start_tracking(tracker, plan.updater, options, seed=plan.seed)
     torch.set_rng_state(plan.rng_state)  # as if this seed's model had just been built
     model, tasks = plan.evaluated, plan.tasks
     class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
@@ -295,6 +326,8 @@ def _train_seed(options: Any, plan: _Seed) -> dict[str, Any]:
         model = _run_classifier(plan)
         class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
         task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
+        if tracker is not None:
+            log_accuracies(tracker, class_matrix.rows, task_matrix.rows)
         current = _predictions(model, tasks)
         if previous is not None:  # flips between consecutive model versions, on all test sets
             flips.append(evaluation.regression_metrics(previous, current, targets))

@@ -16,6 +16,7 @@ from renate_events.cli._options import (
     hyperparameter_values,
     load_config_file,
 )
+from renate_events.cli._tracking import make_tracker, tracked
 from renate_events.cli._tuning import search_update
 from renate_events.cli._updaters import (
     config_updater,
@@ -46,6 +47,7 @@ def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     for name in ("chunk_id", "metric", "early_stopping", "search"):
         if getattr(options, name) is not None:
             raise UsageError(f"--{name.replace('_', '-')} needs --config-file")
+    tracker = make_tracker(options, options.output_state)  # a missing package: before reading
     data = load_data_file(options.data)
     manifest = read_manifest(options.input_state, timeout=options.lock_timeout)
     learner = options.learner or manifest["learner"]
@@ -63,7 +65,8 @@ def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     check_same_model(options, spec, options.input_state)
     data = fitted(f"--data {options.data}", data, spec)
     progress(updater.learner_instance, "update", not options.no_progress)
-    result = updater.update(data, task_id=options.task_id)
+    with tracked(tracker, updater, options):
+        result = updater.update(data, task_id=options.task_id)
     loss = result.metrics.get("train_loss", math.nan)
     print(f"trained {result.steps} steps; train_loss {loss:.4f}; state in {options.output_state}")
     return 0
@@ -79,6 +82,12 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
         raise UsageError(
             f"--model{'-args' if options.model is None else ''}: with --config-file, its model_fn "
             "builds the model (it may call renate_events.models.build_model); leave it out"
+        )
+    tracker = make_tracker(options, options.output_state)  # a missing package: before reading
+    if tracker is not None and (options.search is not None or options.search_space):
+        raise UsageError(
+            "--tracker with --search: not supported yet; each trial's updater is its own "
+            "(log the search with Optuna's storage, --search-storage)"
         )
     config = load_config_file(options.config_file)
     manifest = None
@@ -110,7 +119,8 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
     train, val = config.data(chunk, options.seed)
     progress(updater.learner_instance, f"chunk {chunk}", not options.no_progress)
     task_id = options.task_id if options.task_id is not None else chunk
-    result = updater.update(train, val, task_id=task_id)
+    with tracked(tracker, updater, options, chunk=chunk):
+        result = updater.update(train, val, task_id=task_id)
     shown = "; ".join(
         f"{name} {value:.4f}" for name, value in sorted(result.metrics.items()) if name != "epoch"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS
+from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS, TRACKERS
 from renate_events.methods import CLASSIFIERS, DEFAULT_METHOD, LEARNERS, METHODS, MethodSpec, method
 from renate_events.models import MODELS
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
@@ -196,6 +196,32 @@ _ALL = (
         },
     ),
     Setting("output_dir", "where results are written", default="runs/latest"),
+    # the experiment tracker of run and update
+    Setting(
+        "tracker",
+        "log the hyperparameters, the training and validation metrics, the accuracy after each "
+        "update and the results or the output state to an experiment tracker (default: none)",
+        choices=tuple(TRACKERS),
+    ),
+    Setting(
+        "tracker_dir",
+        "the tracker's folder: MLflow's SQLite store and artifacts, W&B's wandb/ folder, "
+        "TensorBoard's event files (default: tracking/ beside the output)",
+    ),
+    Setting(
+        "tracking_uri",
+        "with --tracker mlflow: MLflow's tracking URI (a server, a database) instead of a store "
+        "in --tracker-dir",
+    ),
+    Setting(
+        "tracker_project",
+        "MLflow's experiment, W&B's project (default {default})",
+        default="renate-events",
+    ),
+    Setting(
+        "tracker_run_name",
+        "the tracker's run (default: the output folder's name; run adds -seed<k>)",
+    ),
     # update: the state folders
     Setting("input_state", "a state folder written by run/update"),
     Setting(
@@ -565,12 +591,14 @@ _TRAINING = (
     "no_progress",
 )
 _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_memory")
+_TRACKING = ("tracker", "tracker_dir", "tracking_uri", "tracker_project", "tracker_run_name")
 
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": (
         *("config", "scenario", "data_dir", "class_order", "blurry", "online", "eval_every"),
         *("no_augment", "chunks", "seeds", "hidden"),
         *("model", "pretrained", "model_args", "output_dir", "overwrite", *_TRAINING, *_SELECTION),
+        *_TRACKING,
     ),
     "update": (
         *("config", "input_state", "data", "output_state", "chunk_id", "seed", "in_place"),
@@ -584,7 +612,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
             "search_storage",
         ),
         *("search_study", "search_pruner", "buffer_storage", "scratch_dir", "lock_timeout"),
-        *(*_TRAINING, *_SELECTION),
+        *(*_TRAINING, *_SELECTION, *_TRACKING),
     ),
     "evaluate": (
         *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),

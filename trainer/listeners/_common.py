@@ -1,7 +1,9 @@
-"""Helpers that several listeners share: the metric to monitor, its comparison, deferred actions."""
+"""Helpers that several listeners share: the metric to monitor, its comparison, deferred actions,
+optional packages."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import attrs
 
 from trainer import validators
+from trainer.exceptions import MissingPackageError
 
 METRIC_NAME = "a metric name such as 'val_loss'"
 """How argument messages describe a ``monitor`` field."""
@@ -50,3 +53,25 @@ def after_pending_saves(trainer: Any, action: Callable[[], Any]) -> None:
         trainer.events.defer(action)
     else:
         action()
+
+
+def import_optional(module: str, *, owner: str, package: str, extra: str, install: str) -> Any:
+    """The module ``module`` of an optional package; a :class:`MissingPackageError` naming the
+    extra to install when it is missing.
+
+    Args:
+        module: The module to import (``"mlflow"``, ``"torch.utils.tensorboard"``).
+        owner: Who needs it, the start of the message (``"MLflowLogger"``).
+        package: The package's name in the message.
+        extra: The ``renate-events`` extra that installs it.
+        install: What ``pip install`` takes to install it alone.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingPackageError(
+            f"{owner} needs the {package} package: pip install 'renate-events[{extra}]' "
+            f"(or pip install {install})",
+            package=package,
+            extra=extra,
+        ) from exc

@@ -12,9 +12,11 @@ import torch
 
 from trainer._runtime import batch_size_of
 
+__all__ = ["ScalarLogger", "ScalarWindow"]
+
 
 @attrs.define(eq=False)
-class _Window:
+class ScalarWindow:
     """Training scalars since the last logged row: sums on the device, counts on the host.
 
     The host reads the sums once per row (one ``tolist``, one synchronisation). The clock measures
@@ -101,7 +103,7 @@ class ScalarLogger(abc.ABC):
     runs_on: ClassVar[str] = "rank_zero"
     """Where it runs in a distributed fit (see :data:`trainer.distributed.RUNS_ON`)."""
 
-    _window: _Window = attrs.field(init=False, factory=_Window, repr=False)
+    _window: ScalarWindow = attrs.field(init=False, factory=ScalarWindow, repr=False)
     _lrs: list[Any] = attrs.field(init=False, factory=list, repr=False)
     _fresh: bool = attrs.field(init=False, default=False, repr=False)
     _resumed_at: int | None = attrs.field(init=False, default=None, repr=False)
@@ -109,7 +111,7 @@ class ScalarLogger(abc.ABC):
     log_every_n_steps: int
 
     def on_train_start(self) -> None:
-        self._window = _Window()
+        self._window = ScalarWindow()
         self._window.start_clock()
         self._fresh, self._resumed_at = True, None
 
