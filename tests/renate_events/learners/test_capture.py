@@ -1,0 +1,139 @@
+"""A learner's step under ``Trainer(capture=...)`` gives the losses of the eager step.
+
+ER on an MLP and DER++ on the reduced ResNet-18 with a ``uint8`` buffer, the CIFAR preset as
+train and buffer transform and ``memory_forward="separate"`` (the workload whose compiled step
+failed with ``InternalTorchDynamoError: RecursionError``: the step wrote attrs fields, whose
+validating ``__setattr__`` sent dynamo into endless recursion). Two updates each, so the second
+one replays from its first step; the losses of every step are compared with an eager run from
+the same model, data and seed. On the CPU ``torch.compile`` runs with the ``aot_eager`` backend
+(dynamo's tracing and graph breaks and AOTAutograd's backward, without inductor's code
+generation, which takes minutes for a ResNet on two cores); the ``slow`` test compiles ER with
+inductor itself, and the ``gpu`` tests run ``capture="graph"`` (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from renate_events.memory import ReservoirBuffer
+from renate_events.methods import DarkExperienceReplayLearner, ExperienceReplayLearner
+from renate_events.models import resnet18
+from renate_events.transforms import cifar_train_transform
+from trainer import Trainer
+
+BATCH = 8
+BATCHES = 4
+MEMORY = 24
+CLASSES = 4
+
+
+class _Losses:
+    """Notes the loss of every step."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_batch_end(self, loss: torch.Tensor) -> None:
+        self.values.append(loss.detach().item())
+
+
+def _vectors(task: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(task)
+    inputs = torch.randn(BATCH * BATCHES, 12, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, CLASSES, (BATCH * BATCHES,), generator=generator))
+
+
+def _images(task: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(task)
+    shape = (BATCH * BATCHES, 3, 32, 32)
+    inputs = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, CLASSES, (BATCH * BATCHES,), generator=generator))
+
+
+def _er(capture: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
+    )
+    learner = ExperienceReplayLearner(
+        model=model,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        memory_size=MEMORY,
+        memory_batch_size=BATCH,
+        batch_size=BATCH,
+        buffer=ReservoirBuffer(MEMORY, seed=0, device=device),
+        trainer=Trainer(max_epochs=1, device=device, capture=capture),
+    )
+    return learner, _vectors
+
+
+def _derpp(capture: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
+    torch.manual_seed(0)
+    learner = DarkExperienceReplayLearner(
+        model=resnet18(num_classes=CLASSES, nf=2),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.03),
+        memory_size=MEMORY,
+        memory_batch_size=BATCH,
+        batch_size=BATCH,
+        alpha=0.2,
+        beta=0.5,
+        buffer=ReservoirBuffer(MEMORY, seed=0, device=device),
+        train_transform=cifar_train_transform(),
+        buffer_transform=cifar_train_transform(),
+        memory_forward="separate",
+        trainer=Trainer(max_epochs=1, device=device, capture=capture),
+    )
+    return learner, _images
+
+
+LEARNERS = {"er-mlp": _er, "derpp-resnet18-uint8": _derpp}
+
+
+def _losses(make: Callable[..., Any], capture: str, device: str = "cpu") -> list[float]:
+    learner, data = make(capture, device)
+    losses = _Losses()
+    learner.trainer.subscribe(losses)
+    for task in range(2):
+        learner.fit(data(task))
+    return losses.values
+
+
+@pytest.fixture
+def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` with the ``aot_eager`` backend (see the module's docstring)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
+@pytest.mark.usefixtures("aot_eager")
+@pytest.mark.parametrize("name", sorted(LEARNERS))
+def test_a_compiled_step_gives_the_eager_losses(name):
+    eager = _losses(LEARNERS[name], "off")
+    torch._dynamo.utils.counters.clear()
+    compiled = _losses(LEARNERS[name], "compile")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # something was compiled
+    assert len(compiled) == len(eager) == 2 * BATCHES
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_step_compiled_by_inductor_gives_the_eager_losses():
+    torch._dynamo.reset()
+    eager = _losses(_er, "off")
+    compiled = _losses(_er, "compile")
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LEARNERS))
+def test_a_step_in_cuda_graphs_gives_the_eager_losses(name):
+    torch._dynamo.reset()
+    eager = _losses(LEARNERS[name], "off", "cuda")
+    captured = _losses(LEARNERS[name], "graph", "cuda")
+    assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
