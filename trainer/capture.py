@@ -48,6 +48,7 @@ __all__ = [
     "capture_mode",
     "capture_steps",
     "check_capture_device",
+    "graph_device_problem",
 ]
 
 CAPTURE_MODES = ("off", "compile", "graph")
@@ -63,6 +64,17 @@ def capture_mode(trainer: Any) -> str:
     return "compile" if mode == "off" and trainer.compile_step else mode
 
 
+def graph_device_problem(mode: str, device: str | torch.device) -> str | None:
+    """Why ``mode`` cannot run on ``device`` (the device as the message shows it: ``'cpu'``,
+    ``'auto' on a machine without CUDA``), or None when it can: only ``"graph"`` needs CUDA."""
+    if mode != "graph":
+        return None
+    if device == "auto":
+        return None if torch.cuda.is_available() else "'auto' on a machine without CUDA"
+    resolved = torch.device(device)
+    return None if resolved.type == "cuda" else repr(str(resolved))
+
+
 def check_capture_device(mode: str, device: str | torch.device, where: str) -> None:
     """Refuse ``capture="graph"`` on a device that is not CUDA.
 
@@ -74,21 +86,12 @@ def check_capture_device(mode: str, device: str | torch.device, where: str) -> N
     Raises:
         ValueError: ``mode`` is ``"graph"`` and ``device`` is not a CUDA device.
     """
-    if mode != "graph":
-        return
-    if device == "auto":
-        if torch.cuda.is_available():
-            return
-        shown = "'auto' on a machine without CUDA"
-    else:
-        resolved = torch.device(device)
-        if resolved.type == "cuda":
-            return
-        shown = repr(str(resolved))
-    raise ValueError(
-        f"{where}='graph' records CUDA graphs and needs a CUDA device, got device {shown}; use "
-        "capture='compile' (torch.compile on any device) or capture='off'"
-    )
+    problem = graph_device_problem(mode, device)
+    if problem is not None:
+        raise ValueError(
+            f"{where}='graph' records CUDA graphs and needs a CUDA device, got device {problem}; "
+            "use capture='compile' (torch.compile on any device) or capture='off'"
+        )
 
 
 def capture_steps(
