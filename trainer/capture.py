@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -48,11 +48,28 @@ __all__ = [
     "capture_mode",
     "capture_steps",
     "check_capture_device",
+    "eager",
     "graph_device_problem",
 ]
 
 CAPTURE_MODES = ("off", "compile", "graph")
 """The values of ``Trainer.capture``."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(function: _F) -> _F:
+    """Run ``function`` eagerly when a compiled step calls it (``torch.compiler.disable``).
+
+    For the parts of a step that a captured step keeps out of its graph: writes to attrs
+    objects (their validating ``__setattr__`` sends ``torch.compile`` into endless recursion,
+    ``InternalTorchDynamoError: RecursionError``), draws from CPU generators and random
+    transforms (a compiled graph would draw other numbers than the eager step), pinned copies
+    and the checks of an update's first step. Each call is a graph break; without compilation
+    it is the plain function.
+    """
+    return cast(_F, torch.compiler.disable(function))
+
 
 _FALLBACK = "run it eagerly with capture='off' (--capture off on the command line)"
 

@@ -32,7 +32,7 @@ from renate_events.learners.split_checks import (
     check_split,
     check_splits,
 )
-from renate_events.learners.step import ReplayOnlyForMemoryLosses, ReplayStep, eager
+from renate_events.learners.step import ReplayOnlyForMemoryLosses, ReplayStep
 from renate_events.learners.undo import FailedUpdateUndo, buffer_copy
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "check_splits",
     "check_task_ids",
     "derived_seed",
-    "eager",
     "loading_limits",
     "refuse_task_data",
     "reset_parameters",

@@ -4,8 +4,7 @@ of stored logits. This is the hot path: every line here runs once per training s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -18,24 +17,10 @@ from renate_events.learners.batches import unpack_task
 from renate_events.learners.checks import check_task_ids
 from renate_events.memory import DataBuffer
 from trainer import validators
+from trainer.capture import eager
 from trainer.data import to_device
 
-__all__ = ["ReplayOnlyForMemoryLosses", "ReplayStep", "eager"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def eager(function: _F) -> _F:
-    """Run ``function`` eagerly when a compiled step calls it (``torch.compiler.disable``).
-
-    For the parts of a step that a captured step keeps out of its graph: writes to attrs
-    objects (their validating ``__setattr__`` sends ``torch.compile`` into endless recursion,
-    ``InternalTorchDynamoError: RecursionError``), draws from CPU generators and random
-    transforms (a compiled graph would draw other numbers than the eager step), pinned copies
-    and the checks of an update's first step. Each call is a graph break; without compilation
-    it is the plain function.
-    """
-    return cast(_F, torch.compiler.disable(function))
+__all__ = ["ReplayOnlyForMemoryLosses", "ReplayStep"]
 
 
 def _mean(loss: torch.Tensor) -> torch.Tensor:
