@@ -86,6 +86,26 @@ def test_compiled_losses_are_the_eager_ones(kwargs):
     assert compiled == pytest.approx(eager, rel=1e-6)
 
 
+@pytest.mark.usefixtures("aot_eager")
+def test_a_compiled_step_skips_the_nonfinite_losses_the_eager_one_skips():
+    def fit(capture: str) -> tuple[list[float], int]:
+        model = make_model(seed=0)
+        data = make_data(n=48)
+        data.tensors[0][20] = float("nan")  # in the third batch of 8
+        trainer = Trainer(max_epochs=1, device="cpu", capture=capture, nonfinite_loss="skip")
+        losses = _Losses()
+        trainer.subscribe(losses)
+        loader = make_loader(data, batch_size=8, shuffle=False)
+        trainer.fit(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loader, classification_step(model)
+        )
+        return losses.values, trainer.state.skipped_batches
+
+    (eager, skipped), (compiled, skipped_compiled) = fit("off"), fit("compile")
+    assert skipped == skipped_compiled == 1
+    assert compiled == pytest.approx(eager, rel=1e-6, nan_ok=True)
+
+
 @attrs.define
 class _Counter:
     calls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))

@@ -28,7 +28,7 @@ from renate_events.methods import (
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,
 )
-from renate_events.models import resnet18
+from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
 from renate_events.transforms import cifar_train_transform
 from trainer import Trainer
 
@@ -173,6 +173,38 @@ def _two_classes(task: int) -> TensorDataset:
 def test_every_method_compiles_to_its_eager_losses(name):
     eager = _losses(_method(name), "off")
     compiled = _losses(_method(name), "compile")
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+def _heads(capture: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
+    """DER++ on a multi-head MLP that gains a head per task (task ids in the data), a memory of
+    12 slots that replays once it holds a memory batch of 8."""
+    torch.manual_seed(0)
+    model = MultiHeadClassificationModel.from_model(mlp(12, num_classes=2, hidden=[16]))
+    learner = DarkExperienceReplayLearner(
+        model=model,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        memory_size=12,
+        memory_batch_size=BATCH,
+        batch_size=BATCH,
+        trainer=Trainer(max_epochs=1, device=device, capture=capture),
+    )
+    return learner, _with_task_ids
+
+
+def _with_task_ids(task: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(task)
+    n = BATCH * BATCHES - 3  # a last batch of 5
+    inputs = torch.randn(n, 12, generator=generator)
+    labels = torch.randint(0, 2, (n,), generator=generator)
+    return TensorDataset(inputs, labels, torch.full((n,), task, dtype=torch.int64))
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_new_heads_a_partial_batch_and_a_filling_memory_recompile_to_the_eager_losses():
+    eager = _losses(_heads, "off")
+    compiled = _losses(_heads, "compile")
+    assert len(compiled) == 2 * BATCHES
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
 
