@@ -36,6 +36,7 @@ naming the step and the eager fallback.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -137,12 +138,15 @@ def _guarded(
     mode: str, original: Callable[[Any], Any], compiled: Callable[[Any], Any]
 ) -> Callable[[Any], Any]:
     """``compiled``, its capture failures raised as :class:`CaptureError`; under ``"graph"``
-    each call begins a new CUDA-graph step and its tensors are copied out of the graph's
-    memory (the next replay overwrites it, and listeners or the trainer may keep a loss)."""
-    graph = mode == "graph"
+    each call begins a new CUDA-graph step, its tensors are copied out of the graph's memory
+    (the next replay overwrites it, and listeners or the trainer may keep a loss), and a graph
+    that inductor would not record warns once (it runs compiled, without CUDA graphs)."""
+    graph, warned = mode == "graph", False
 
     @functools.wraps(original)
     def run(batch: Any) -> Any:
+        nonlocal warned
+        skips = _cudagraph_skips() if graph else 0
         try:
             if graph:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -153,9 +157,26 @@ def _guarded(
                 f"capture={mode!r}: torch.compile could not capture the step "
                 f"{_name(original)}: {type(exc).__name__}: {first}; {_FALLBACK}"
             ) from exc
-        return _copied(result) if graph else result
+        if not graph:
+            return result
+        if not warned and _cudagraph_skips() > skips:
+            warned = True
+            warnings.warn(
+                f"capture='graph': inductor recorded no CUDA graph for a part of the step "
+                f"{_name(original)} (it runs compiled, one launch per kernel; "
+                "TORCH_LOGS=perf_hints names the reason); capture='compile' gives the same "
+                "without graphs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return _copied(result)
 
     return run
+
+
+def _cudagraph_skips() -> int:
+    """How many compiled graphs inductor left without CUDA graphs so far (its own counter)."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
 def _copied(value: Any) -> Any:

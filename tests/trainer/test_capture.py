@@ -4,7 +4,9 @@ to eager ones (``aot_eager`` backend on the CPU; CUDA graphs under the ``gpu`` m
 
 from __future__ import annotations
 
+import collections
 import functools
+import warnings
 
 import attrs
 import pytest
@@ -150,6 +152,23 @@ def test_graph_copies_the_outputs_out_of_the_graph_memory(monkeypatch):
     )
     result["loss"].backward()
     assert torch.equal(weight.grad, torch.arange(3.0))
+
+
+def test_graph_warns_once_when_inductor_records_no_cuda_graph(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    monkeypatch.setitem(torch._dynamo.utils.counters, "inductor", collections.Counter())
+
+    def step(batch):
+        torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] += 1  # as inductor does
+        return batch.sum()
+
+    captured, _ = capture_steps("graph", step, step)
+    with pytest.warns(RuntimeWarning, match=r"recorded no CUDA graph for a part of the step"):
+        captured(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        captured(torch.ones(2))  # once
 
 
 def test_off_leaves_the_steps_as_they_are():
