@@ -110,12 +110,12 @@ class Trainer(ListenerAPI):
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
-        capture: ``"off"`` (eager), ``"compile"`` (``torch.compile``, any device) or ``"graph"``
-            (compiled and recorded as CUDA graphs, CUDA only); see :mod:`trainer.capture`.
         compile_step: Deprecated (warns): the old spelling of ``capture="compile"``.
         distributed: ``"auto"`` (data-parallel over the default process group when one is
             initialised), ``"init"`` (initialise it from ``torchrun``'s environment first) or
             ``"off"``. See :mod:`trainer.distributed` and the "Distributed training" page.
+        capture: ``"off"`` (eager), ``"compile"`` (``torch.compile``, any device) or ``"graph"``
+            (compiled and recorded as CUDA graphs, CUDA only); see :mod:`trainer.capture`.
 
     Example:
         >>> import torch
@@ -143,9 +143,9 @@ class Trainer(ListenerAPI):
     check_val_every_n_epoch: int = attrs.field(default=1, validator=_v.int_at_least(1))
     seed: int | None = attrs.field(default=None, validator=_v.int_at_least(None, optional=True))
     nonfinite_loss: str = attrs.field(default="raise", validator=_v.one_of("raise", "skip", "off"))
-    capture: str = attrs.field(default="off", validator=_capture)
     compile_step: bool = attrs.field(default=False, validator=_compile_step)
     distributed: str = attrs.field(default="auto", validator=_v.one_of(*_distributed.MODES))
+    capture: str = attrs.field(default="off", validator=_capture)  # last: positions unchanged
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
