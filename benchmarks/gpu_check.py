@@ -25,14 +25,18 @@ On one CUDA device, in under five minutes, prints:
    :func:`~renate_events.transforms.cifar_train_transform` as train and buffer transform) of
    ``DarkExperienceReplayLearner`` against a bare loop doing the same work on GPU tensors (two
    forward passes, the preset on both batches, CE + beta CE + alpha MSE, SGD, a reservoir
-   update with a spare row), in fp32 and bf16-mixed.
+   update with a spare row), in fp32 and bf16-mixed; beside the learner's eager step its
+   compiled step (``Trainer(capture="compile")``) and its captured one (``capture="graph"``,
+   CUDA graphs; "skipped: no CUDA" in the dry run), each with its ratio to the bare eager loop
+   and the issue's targets (library eager <= 1.05x; captured >= 4x faster). Compiling takes
+   the first runs (not timed); ``--no-capture`` leaves the two out.
 
 Every time is measured with ``torch.cuda.synchronize()`` before and after a run of steps. Without
 CUDA the script prints "no CUDA device; nothing to check" and exits 0; ``--cpu-dry-run`` runs the
 same code on the CPU with small sizes (the sync checks then check nothing, and say so) to try
 the script out.
 
-Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--cpu-dry-run]
+Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--cpu-dry-run] [--no-capture]
 """
 
 from __future__ import annotations
@@ -126,12 +130,16 @@ def measure(variants: dict[str, Run], steps: int, rounds: int, device: torch.dev
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def print_times(title: str, medians: dict[str, float], reference: str) -> None:
+def print_times(
+    title: str, medians: dict[str, float], reference: str, skipped: dict[str, str] | None = None
+) -> None:
     base = medians[reference]
     print(f"\n{title} (median µs per step; ratio against {reference!r})")
-    width = max(len(name) for name in medians)
+    width = max(len(name) for name in [*medians, *(skipped or {})])
     for name, value in medians.items():
         print(f"  {name:{width}s}  {value:9.1f}  {value / base:5.2f}x")
+    for name, reason in (skipped or {}).items():
+        print(f"  {name:{width}s}  {reason}")
 
 
 def loop_section(device: torch.device, steps: int, rounds: int) -> None:
@@ -279,9 +287,10 @@ def make_images(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_image_learner(
-    nf: int, precision: str, device: torch.device, nonfinite: str = "off"
+    nf: int, precision: str, device: torch.device, nonfinite: str = "off", capture: str = "off"
 ) -> DarkExperienceReplayLearner:
-    """DER++ on the reduced ResNet-18, ``uint8`` buffer on ``device``, the CIFAR preset."""
+    """DER++ on the reduced ResNet-18, ``uint8`` buffer on ``device``, the CIFAR preset, its
+    steps run as ``capture`` says (``Trainer(capture=...)``)."""
     torch.manual_seed(0)
     model = resnet18(num_classes=CLASSES, nf=nf).to(device)
     return DarkExperienceReplayLearner(
@@ -295,7 +304,13 @@ def make_image_learner(
         buffer=ReservoirBuffer(IMAGE_MEMORY, seed=0, device=device),
         train_transform=cifar_train_transform(),
         buffer_transform=cifar_train_transform(),
-        trainer=Trainer(max_epochs=1, device=device, precision=precision, nonfinite_loss=nonfinite),
+        trainer=Trainer(
+            max_epochs=1,
+            device=device,
+            precision=precision,
+            nonfinite_loss=nonfinite,
+            capture=capture,
+        ),
     )
 
 
@@ -338,32 +353,72 @@ class BareImageDERpp:
             self.seen = n + batch
 
 
-def image_section(device: torch.device, steps: int, rounds: int) -> None:
+CAPTURED = {"library compiled": "compile", "library captured": "graph"}
+"""The captured variants of the image step and their ``Trainer(capture=...)``."""
+EAGER_TARGET, CAPTURED_TARGET = 1.05, 4.0
+"""Targets (issue 28): library eager <= 1.05x bare eager; captured >= 4x faster than it."""
+
+
+def image_variants(
+    nf: int, precision: str, device: torch.device, loader: Iterable[Any], warm: Iterable[Any]
+) -> tuple[dict[str, Run], dict[str, str]]:
+    """The timed variants of the DER++ image step (each learner's memory full) and the skipped
+    ones with the reason."""
+    torch.manual_seed(0)
+    bare = BareImageDERpp(resnet18(num_classes=CLASSES, nf=nf).to(device), loader,
+                          precision, device)  # fmt: skip
+    variants: dict[str, Run] = {"bare eager": bare.run}
+    skipped: dict[str, str] = {}
+    for label, capture in {"library eager": "off", **CAPTURED}.items():
+        if capture == "graph" and device.type != "cuda":
+            skipped[label] = "skipped: no CUDA"
+            continue
+        learner = make_image_learner(nf, precision, device, capture=capture)
+        learner.fit(warm)  # fills the memory (and compiles a captured step)
+        variants[label] = lambda learner=learner: learner.fit(loader)
+    return variants, skipped
+
+
+def image_section(device: torch.device, steps: int, rounds: int, capture: bool = True) -> None:
     x, y = make_images(IMAGE_BATCH * steps, seed=6)
     warm_x, warm_y = make_images(IMAGE_MEMORY + IMAGE_BATCH, seed=7)
     loader = TensorLoader((x, y), batch_size=IMAGE_BATCH, shuffle=True, device=device)
     warm = TensorLoader((warm_x, warm_y), batch_size=IMAGE_BATCH, shuffle=True, device=device)
     for nf in IMAGE_WIDTHS:
         for precision in PRECISIONS:
-            learner = make_image_learner(nf, precision, device)
-            learner.fit(warm)  # fills the memory
-            torch.manual_seed(0)
-            bare = BareImageDERpp(resnet18(num_classes=CLASSES, nf=nf).to(device), loader,
-                                  precision, device)  # fmt: skip
-            variants = {
-                "bare DER++ loop": bare.run,
-                "DarkExperienceReplayLearner + Trainer": lambda learner=learner: learner.fit(
-                    loader
-                ),
-            }
+            torch._dynamo.reset()  # each width and precision compiles afresh
+            variants, skipped = image_variants(nf, precision, device, loader, warm)
+            if not capture:
+                skipped = {label: "skipped: --no-capture" for label in CAPTURED}
+                variants = {k: v for k, v in variants.items() if k not in CAPTURED}
             medians = measure(variants, steps, rounds, device)
             print_times(
                 f"(4) DER++ image step, resnet18(nf={nf}), batch {IMAGE_BATCH} + memory batch "
                 f"{IMAGE_BATCH}, {IMAGE_MEMORY} uint8 slots on the GPU, CIFAR preset on both, "
                 f"precision {precision}",
                 medians,
-                "bare DER++ loop",
+                "bare eager",
+                skipped,
             )
+            print(image_verdict(medians))
+
+
+def image_verdict(medians: dict[str, float]) -> str:
+    """The issue's targets against the bare eager loop, met or not."""
+    base = medians["bare eager"]
+    eager = medians["library eager"] / base
+    parts = [
+        f"library eager {eager:.2f}x bare eager (target <= {EAGER_TARGET:.2f}x: "
+        f"{'met' if eager <= EAGER_TARGET else 'NOT met'})"
+    ]
+    for label in CAPTURED:
+        if label in medians:
+            faster = base / medians[label]
+            parts.append(f"{label} {faster:.2f}x as fast")
+            if label == "library captured":
+                met = "met" if faster >= CAPTURED_TARGET else "NOT met"
+                parts[-1] += f" (target >= {CAPTURED_TARGET:.0f}x: {met})"
+    return "  " + "; ".join(parts)
 
 
 # -- sync check ----------------------------------------------------------------------------------
@@ -567,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="without CUDA: run everything on the CPU, small"
     )
+    parser.add_argument(
+        "--no-capture",
+        action="store_true",
+        help="leave out the compiled and captured image steps (their compilation takes minutes)",
+    )
     args = parser.parse_args(argv)
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -580,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
         global BATCH, MEMORY, IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS
         BATCH, MEMORY = 16, 200
         IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS = 8, 32, (4,)
+        # The code paths only: inductor's code generation for a ResNet takes minutes on a CPU,
+        # so the compiled step of the dry run traces and runs with the aot_eager backend.
+        compile_ = torch.compile
+        torch.compile = lambda function, **kwargs: compile_(  # type: ignore[assignment]
+            function, **(kwargs or {"backend": "aot_eager"})
+        )
     steps = args.steps or (8 if dry else 200)
     rounds = args.rounds or (1 if dry else 5)
     if steps < 3 or rounds < 1:
@@ -590,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     loop_section(device, steps, rounds)
     replay_section(device, steps, rounds)
     sync_section(device, batches=max(3, min(steps, 20)))
-    image_section(device, min(steps, 100), rounds)  # ~20 ms a step: keeps the script in 5 min
+    torch._dynamo.config.recompile_limit = 64  # a learner per width and precision
+    image_section(device, min(steps, 100), rounds, capture=not args.no_capture)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

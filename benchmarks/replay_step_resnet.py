@@ -32,8 +32,14 @@ the ratio the median over the rounds of the ratio within a round. What a ``fit``
 (seeding, the learner's check of the data and the first batch) is reported apart, as
 "ms once per fit".
 
+A third variant, ``DarkExperienceReplayLearner + Trainer(capture='compile')``, is the library's
+step compiled with ``torch.compile`` (inductor on the CPU; see docs/capture.rst): its losses are
+checked against the eager step's (relative tolerance ``COMPILED_TOLERANCE``), its compilation
+happens in the warm-up run (not timed), and its ratio to the bare loop and its gain over the eager
+step are reported. ``--no-compile`` leaves it out.
+
 Usage: python benchmarks/replay_step_resnet.py [--quick] [--rounds 5] [--steps 6] [--nf 20]
-       [--markdown docs/benchmarks/replay_step_resnet.md]
+       [--markdown docs/benchmarks/replay_step_resnet.md] [--no-compile]
 """
 
 from __future__ import annotations
@@ -78,7 +84,11 @@ library's ``ReservoirBuffer`` documents)."""
 TARGET = 1.10
 """The most the library's step may take, as a multiple of the bare loop's (issue 17)."""
 LIBRARY = "DarkExperienceReplayLearner + Trainer"
+COMPILED = "DarkExperienceReplayLearner + Trainer(capture='compile')"
 BARE = "bare DER++ loop"
+COMPILED_TOLERANCE = 1e-4
+"""How far a compiled step's loss may be from the eager one's, relative (inductor reorders
+floating-point sums)."""
 
 Run = Callable[[], Any]
 
@@ -185,7 +195,10 @@ class _Losses:
 
 
 def learner_for(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: ReservoirBuffer
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    buffer: ReservoirBuffer,
+    capture: str = "off",
 ) -> DarkExperienceReplayLearner:
     return DarkExperienceReplayLearner(
         model=model,
@@ -199,20 +212,35 @@ def learner_for(
         seed=SEED,
         train_transform=cifar_train_transform(),
         buffer_transform=cifar_train_transform(),
-        trainer=Trainer(max_epochs=1, device="cpu"),
+        trainer=Trainer(max_epochs=1, device="cpu", capture=capture),
     )
 
 
-def check_same_losses(nf: int, steps: int) -> list[tuple[float, float]]:
-    """Both variants from the same model, memory and seed for ``steps`` steps: the same losses.
+def _library_losses(
+    model: torch.nn.Module, buffer: ReservoirBuffer, data: Any, capture: str
+) -> list[float]:
+    learner = learner_for(
+        model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), buffer, capture
+    )
+    losses = _Losses()
+    learner.trainer.subscribe(losses)
+    learner.fit(TensorLoader(data, batch_size=BATCH, shuffle=True))
+    return losses.values
+
+
+def check_same_losses(nf: int, steps: int, compiled: bool) -> list[tuple[float, ...]]:
+    """Both variants (and the compiled step, with ``compiled``) from the same model, memory and
+    seed for ``steps`` steps: the same losses.
 
     Raises:
-        AssertionError: When a loss differs by more than float32 rounding.
+        AssertionError: When a loss differs by more than float32 rounding (the compiled step's:
+            by more than :data:`COMPILED_TOLERANCE`).
     """
     torch.manual_seed(SEED)
     model = resnet18(num_classes=CLASSES, nf=nf)
     buffer = full_buffer(model)
-    bare_model = copy.deepcopy(model)
+    bare_model, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+    compiled_buffer = copy.deepcopy(buffer)
     data = images(steps * BATCH, seed=2)
     bare = BareDERpp(
         bare_model,
@@ -220,31 +248,40 @@ def check_same_losses(nf: int, steps: int) -> list[tuple[float, float]]:
         copy.deepcopy(buffer),
         data,
     )
-    learner = learner_for(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), buffer)
-    losses = _Losses()
-    learner.trainer.subscribe(losses)
-    learner.fit(TensorLoader(data, batch_size=BATCH, shuffle=True))
+    ours = _library_losses(model, buffer, data, "off")
     bare.run(seed=SEED, record=True)
-    pairs = list(zip(losses.values, bare.losses, strict=True))
-    for step, (ours, theirs) in enumerate(pairs):
-        assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (
-            f"step {step}: the library's loss {ours!r} and the bare loop's {theirs!r} differ: the "
+    pairs = list(zip(ours, bare.losses, strict=True))
+    for step, (a, b) in enumerate(pairs):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (
+            f"step {step}: the library's loss {a!r} and the bare loop's {b!r} differ: the "
             "two variants no longer do the same work"
         )
-    return pairs
+    if not compiled:
+        return pairs
+    theirs = _library_losses(compiled_model, compiled_buffer, data, "compile")
+    for step, (a, c) in enumerate(zip(ours, theirs, strict=True)):
+        assert abs(a - c) <= COMPILED_TOLERANCE * max(1.0, abs(a)), (
+            f"step {step}: the compiled step's loss {c!r} and the eager step's {a!r} differ"
+        )
+    return [(*pair, c) for pair, c in zip(pairs, theirs)]
 
 
-def variants(nf: int, steps: int) -> tuple[dict[str, Run], compare.TimedSGD]:
-    """The two timed variants, on one model and one optimizer, each with its own full memory."""
+def variants(nf: int, steps: int, compiled: bool) -> tuple[dict[str, Run], compare.TimedSGD]:
+    """The timed variants, on one model and one optimizer, each with its own full memory."""
     torch.manual_seed(SEED)
     model = resnet18(num_classes=CLASSES, nf=nf)
     optimizer = compare.TimedSGD(model.parameters(), lr=LEARNING_RATE)
     buffer = full_buffer(model)
     data = images(steps * BATCH, seed=3)
     bare = BareDERpp(model, optimizer, copy.deepcopy(buffer), data)
-    learner = learner_for(model, optimizer, buffer)
+    learners = {LIBRARY: learner_for(model, optimizer, copy.deepcopy(buffer))}
+    if compiled:  # compiled in measure's warm-up run, not timed
+        learners[COMPILED] = learner_for(model, optimizer, buffer, capture="compile")
     loader = TensorLoader(data, batch_size=BATCH, shuffle=True)
-    return {BARE: lambda: bare.run(seed=SEED), LIBRARY: lambda: learner.fit(loader)}, optimizer
+    timed: dict[str, Run] = {BARE: lambda: bare.run(seed=SEED)}
+    for name, learner in learners.items():
+        timed[name] = lambda learner=learner: learner.fit(loader)
+    return timed, optimizer
 
 
 def transform_costs(repeats: int) -> list[list[str]]:
@@ -280,6 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantile", type=float, default=0.5, help="a run's step (0.5: median)")
     parser.add_argument("--clock", choices=sorted(compare.CLOCKS), default="cpu")
     parser.add_argument("--markdown", type=pathlib.Path, default=DEFAULT_MARKDOWN)
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="leave out the compiled step (Trainer(capture='compile'); compiling takes minutes)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (4 if args.quick else 6)
@@ -303,16 +345,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(setting)
 
-    pairs = check_same_losses(args.nf, args.check_steps)
-    worst = max(abs(a - b) for a, b in pairs)
+    compiled = not args.no_compile
+    pairs = check_same_losses(args.nf, args.check_steps, compiled)
+    worst = max(abs(p[0] - p[1]) for p in pairs)
     agree = (
         f"losses agree over {len(pairs)} steps from the same model, memory and seed: "
-        + ", ".join(f"{a:.6f}" for a, _ in pairs)
+        + ", ".join(f"{p[0]:.6f}" for p in pairs)
         + f" (largest difference {worst:.1e})"
     )
+    if compiled:
+        worst_compiled = max(abs(p[0] - p[2]) for p in pairs)
+        agree += f"; the compiled step's within {worst_compiled:.1e} of the eager step's"
     print(agree)
 
-    timed, optimizer = variants(args.nf, steps)
+    timed, optimizer = variants(args.nf, steps, compiled)
     timings = compare.measure(timed, optimizer, rounds, args.quantile)
     base = timings[BARE]
     header = ["variant", "ms/step", "x bare DER++ loop", "ms once per fit"]
@@ -331,6 +377,11 @@ def main(argv: list[str] | None = None) -> None:
     ratio = timings[LIBRARY].ratio(base)
     met = "met" if ratio <= TARGET else "NOT met"
     verdict = f"library / bare: {ratio:.3f}x (target <= {TARGET:.2f}x: {met})"
+    if compiled:
+        gain = timings[LIBRARY].step / timings[COMPILED].step
+        verdict += (
+            f"; compiled: {timings[COMPILED].ratio(base):.3f}x bare, {gain:.2f}x as fast as eager"
+        )
     print(verdict)
 
     cost_header = ["device", "ms per batch of 32"]

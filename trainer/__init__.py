@@ -11,6 +11,7 @@ from trainer.checkpoint import read_checkpoint, write_checkpoint
 from trainer.data import TensorLoader
 from trainer.events import EVENTS, Events, EventSignal
 from trainer.exceptions import (
+    CaptureError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -25,6 +26,7 @@ from trainer.trainer import FitResult, StepOutput, Trainer, TrainState
 
 __all__ = [
     "EVENTS",
+    "CaptureError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

@@ -8,6 +8,7 @@ catch them all in one place. Errors about bad arguments also derive from the bui
 from __future__ import annotations
 
 __all__ = [
+    "CaptureError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
@@ -21,6 +22,14 @@ __all__ = [
 
 class TrainerError(Exception):
     """Raised for any failure the ``trainer`` package detects itself."""
+
+
+class CaptureError(TrainerError, RuntimeError):
+    """Raised when ``Trainer(capture="compile")`` or ``capture="graph"`` cannot capture a step.
+
+    The message names the step function and what ``torch.compile`` reported (chained as the
+    cause) and the eager fallback, ``capture="off"`` (``--capture off`` on the command line).
+    """
 
 
 class SubscriptionError(TrainerError, ValueError):

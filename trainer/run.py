@@ -21,6 +21,7 @@ import torch
 
 from trainer import _runtime
 from trainer import validators as _v
+from trainer.capture import capture_mode, capture_steps, check_capture_device
 from trainer.data import to_device
 from trainer.distributed import DistributedContext
 from trainer.events import Events
@@ -128,7 +129,8 @@ def prepare_run(
     """Check the arguments of ``trainer.fit`` and make the :class:`Run`; nothing changes yet.
 
     Raises:
-        ValueError: For an unknown ``scheduler_interval``.
+        ValueError: For an unknown ``scheduler_interval``, or ``capture="graph"`` without a CUDA
+            device.
         TypeError: For a ``ReduceLROnPlateau`` scheduler or a ``step`` that is not callable.
     """
     _v.check_one_of("scheduler_interval", scheduler_interval, ("epoch", "step"))
@@ -144,8 +146,9 @@ def prepare_run(
         def val_step(batch: Any) -> StepOutput:
             return split_step_output(step(batch))[0]
 
-    if trainer.compile_step:
-        step, val_step = torch.compile(step), torch.compile(val_step)
+    mode = capture_mode(trainer)
+    check_capture_device(mode, trainer.device, "Trainer.capture")  # set after construction?
+    step, val_step = capture_steps(mode, step, val_step)
     return Run(
         step=step,
         val_step=val_step,

@@ -22,6 +22,7 @@ reading of what the step functions return in :mod:`trainer.steps`.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from trainer import _runtime
 from trainer import distributed as _distributed
 from trainer import validators as _v
+from trainer.capture import CAPTURE_MODES, check_capture_device
 from trainer.checkpointing import Checkpointer, check_attachable
 from trainer.events import Events
 from trainer.exceptions import ListenerError
@@ -63,6 +65,26 @@ def _device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     _runtime.resolve_device(value)
 
 
+def _capture(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _v.one_of(*CAPTURE_MODES)(instance, attribute, value)
+    if value == "graph" and instance.compile_step:
+        raise ValueError(
+            "Trainer.compile_step=True (the old spelling of capture='compile') contradicts "
+            "capture='graph'; give capture alone"
+        )
+    check_capture_device(value, instance.device, "Trainer.capture")
+
+
+def _compile_step(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _v.boolean(instance, attribute, value)
+    if value:
+        warnings.warn(
+            "Trainer(compile_step=True) is deprecated: use Trainer(capture='compile')",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
 @attrs.define(eq=False)
 class Trainer(ListenerAPI):
     """A small training loop that announces each phase over blinker signals.
@@ -88,11 +110,12 @@ class Trainer(ListenerAPI):
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
-        compile_step: Wrap ``step`` (and ``val_step``) in ``torch.compile`` for this fit. The
-            first steps then pay the compilation; later ones run the compiled graph.
+        compile_step: Deprecated (warns): the old spelling of ``capture="compile"``.
         distributed: ``"auto"`` (data-parallel over the default process group when one is
             initialised), ``"init"`` (initialise it from ``torchrun``'s environment first) or
             ``"off"``. See :mod:`trainer.distributed` and the "Distributed training" page.
+        capture: ``"off"`` (eager), ``"compile"`` (``torch.compile``, any device) or ``"graph"``
+            (compiled and recorded as CUDA graphs, CUDA only); see :mod:`trainer.capture`.
 
     Example:
         >>> import torch
@@ -120,8 +143,9 @@ class Trainer(ListenerAPI):
     check_val_every_n_epoch: int = attrs.field(default=1, validator=_v.int_at_least(1))
     seed: int | None = attrs.field(default=None, validator=_v.int_at_least(None, optional=True))
     nonfinite_loss: str = attrs.field(default="raise", validator=_v.one_of("raise", "skip", "off"))
-    compile_step: bool = attrs.field(default=False, validator=_v.boolean)
+    compile_step: bool = attrs.field(default=False, validator=_compile_step)
     distributed: str = attrs.field(default="auto", validator=_v.one_of(*_distributed.MODES))
+    capture: str = attrs.field(default="off", validator=_capture)  # last: positions unchanged
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False

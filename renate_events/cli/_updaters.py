@@ -23,6 +23,7 @@ from renate_events.settings import COMMANDS, check_device, setting
 from renate_events.state_folder import StateFolderError, read_manifest
 from renate_events.state_folder.manifest import CHECKPOINT
 from renate_events.updater import ModelUpdater, UpdateInputError
+from trainer.capture import graph_device_problem
 from trainer.checkpoint import read_checkpoint
 
 __all__ = [
@@ -186,11 +187,21 @@ def trainer_setting(
     nonfinite = overrides.get("nonfinite_loss")
     if nonfinite is not None and (nonfinite != "raise" or "nonfinite_loss" in trainer_kwargs):
         trainer_kwargs["nonfinite_loss"] = nonfinite  # left out: the Trainer's default, raise
+    capture = overrides.get("capture")
+    if capture is not None and (capture != "off" or "capture" in trainer_kwargs):
+        trainer_kwargs["capture"] = capture  # left out: the Trainer's default, off
     if overrides.get("distributed"):
         trainer_kwargs["distributed"] = "init"
     if "device" in trainer_kwargs and overrides.get("device") is None and folder is not None:
         check_device(
             f"{folder}: the trainer device (override it with --device)", trainer_kwargs["device"]
+        )
+    device = trainer_kwargs.get("device", "auto")
+    problem = graph_device_problem(trainer_kwargs.get("capture", "off"), device)
+    if problem is not None:
+        raise UsageError(
+            f"--capture graph records CUDA graphs and needs a CUDA device, got --device {problem}; "
+            "use --capture compile (torch.compile on any device) or --capture off"
         )
     return trainer_kwargs
 

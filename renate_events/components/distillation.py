@@ -13,6 +13,7 @@ from torch import nn
 from renate_events.components.component import Component, call_model
 from renate_events.components.features import copy_without_hooks
 from trainer import validators as v
+from trainer.capture import eager
 
 __all__ = ["OldModelDistillation"]
 
@@ -65,6 +66,7 @@ class OldModelDistillation(Component):
         with torch.no_grad():
             return call_model(cast(nn.Module, self._old_model), inputs)
 
+    @eager  # writes the component's state: eager under a compiled step
     def _note_classes(self, targets: torch.Tensor, classes: int) -> None:
         seen = self._seen
         if seen is None or seen.numel() != classes or seen.device != targets.device:

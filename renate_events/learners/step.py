@@ -17,6 +17,7 @@ from renate_events.learners.batches import unpack_task
 from renate_events.learners.checks import check_task_ids
 from renate_events.memory import DataBuffer
 from trainer import validators
+from trainer.capture import eager
 from trainer.data import to_device
 
 __all__ = ["ReplayOnlyForMemoryLosses", "ReplayStep"]
@@ -98,11 +99,21 @@ class ReplayStep:
     """
 
     def training_step(self, batch: Any) -> dict[str, Any]:
-        """Loss of one batch of new data plus the components' losses on memory batches."""
+        """Loss of one batch of new data plus the components' losses on memory batches.
+
+        Under a captured trainer (``Trainer(capture="compile")``) the steady steps are traced by
+        ``torch.compile``; the first step of an update, the memory sampling, the transforms and
+        the writes to the learner's and the buffer's state run eagerly between the compiled
+        pieces (see :func:`eager`).
+        """
         if self._batch_checked:
             return self._step(batch)
-        # The first step of an update: note how to put back what it changes before its batch
-        # trains, for on_exception (the loss may still be refused after the step returns).
+        return self._first_step(batch)
+
+    @eager
+    def _first_step(self, batch: Any) -> dict[str, Any]:
+        """The first step of an update, eager: its checks run, and what it changes is noted to
+        be put back by on_exception (the loss may still be refused after the step returns)."""
         self._note_first_step()
         outputs = self._step(batch)
         self._batch_checked = True
@@ -196,6 +207,7 @@ class ReplayStep:
             loss = loss if total_weight == 1 else loss / total_weight
         return loss
 
+    @eager
     def _sample_memory(self, device: torch.device) -> Any:
         """A memory batch on ``device`` (the model's); its stored logits also under Renate's key
         ``"outputs"`` (the same tensor), for components written for Renate."""
@@ -222,6 +234,11 @@ class ReplayStep:
         transform = getattr(self, name)
         if transform is None:
             return value
+        return self._apply_transform(name, transform, value, rows)
+
+    @eager
+    def _apply_transform(self, name: str, transform: Any, value: Any, rows: int) -> Any:
+        """``transform(value)``, eager (its random draws are the eager step's)."""
         result = transform(value)
         if not isinstance(result, torch.Tensor):
             raise validators.WrongTypeError(
@@ -303,10 +320,15 @@ class ReplayStep:
         ``like`` is the per-sample loss, in float32 under mixed precision too)."""
         key = (n, m, per_new, per_memory, like.device, like.dtype)
         if self._weights_key != key:
-            weights = torch.full((n + m,), per_memory, dtype=like.dtype, device=like.device)
-            weights[:n] = per_new
-            self._weights, self._weights_key = weights, key
+            self._make_sample_weights(key)
         return cast(torch.Tensor, self._weights)
+
+    @eager
+    def _make_sample_weights(self, key: tuple[Any, ...]) -> None:
+        n, m, per_new, per_memory, device, dtype = key
+        weights = torch.full((n + m,), per_memory, dtype=dtype, device=device)
+        weights[:n] = per_new
+        self._weights, self._weights_key = weights, key
 
     def _fusable(self) -> WeightedCustomLossComponent | None:
         """The single component whose loss :meth:`_fused_step` computes, if the step allows it.
@@ -343,15 +365,18 @@ class ReplayStep:
         """Move the stored logits of a freshly forwarded memory batch towards the current ones."""
         (_, _), metadata = batch_memory
         if self.ema_memory_update_gamma < 1.0 and "logits" in metadata:
-            buffer = cast(DataBuffer, self.buffer)
-            gamma, idx, stored = self.ema_memory_update_gamma, metadata["idx"], metadata["logits"]
-            if self._undo is not None and not self._batch_checked:  # the first step: undoable
-                previous = stored.clone()
-                self._undo.append(
-                    lambda: buffer.set_metadata("logits", idx, previous, distinct=True)
-                )
-            updated = gamma * stored + (1.0 - gamma) * outputs_memory.detach()
-            buffer.set_metadata("logits", idx, updated, distinct=True)
+            self._move_stored_logits(metadata, outputs_memory)
+
+    @eager
+    def _move_stored_logits(self, metadata: Any, outputs_memory: torch.Tensor) -> None:
+        """The EMA's write into the buffer (eager: it changes the buffer's state)."""
+        buffer = cast(DataBuffer, self.buffer)
+        gamma, idx, stored = self.ema_memory_update_gamma, metadata["idx"], metadata["logits"]
+        if self._undo is not None and not self._batch_checked:  # the first step: undoable
+            previous = stored.clone()
+            self._undo.append(lambda: buffer.set_metadata("logits", idx, previous, distinct=True))
+        updated = gamma * stored + (1.0 - gamma) * outputs_memory.detach()
+        buffer.set_metadata("logits", idx, updated, distinct=True)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """``loss`` and ``accuracy`` of a batch (reported as ``val_loss``, ``val_accuracy``)."""
@@ -375,6 +400,7 @@ class ReplayStep:
     def _features(self) -> list[torch.Tensor]:
         return [] if self._recorder is None else list(self._recorder.representations)
 
+    @eager
     def _seen(self, targets: torch.Tensor, classes: int) -> torch.Tensor:
         """The ``(classes,)`` bool mask of the logits the new-data loss keeps with
         ``mask_unused_classes``: the classes of this update's batches so far, ``targets``

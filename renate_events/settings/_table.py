@@ -10,6 +10,7 @@ from renate_events.methods import CLASSIFIERS, DEFAULT_METHOD, LEARNERS, METHODS
 from renate_events.models import MODELS
 from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
 from renate_events.settings._record import Setting, device, list_of_ints, model_args
+from trainer.capture import CAPTURE_MODES
 
 __all__ = ["COMMANDS", "MAX_SEED", "PRECISIONS", "SETTINGS", "commands_of", "setting"]
 
@@ -462,6 +463,16 @@ _ALL = (
         later=True,
         maps_onto=(_TRAINER + "nonfinite_loss",),
     ),
+    Setting(
+        "capture",
+        "how training steps run: off (eager), compile (torch.compile: forward, losses and their "
+        "backward compiled; any device) or graph (compiled and recorded as CUDA graphs; needs a "
+        "CUDA device). See the docs' 'Captured steps'",
+        default="off",
+        choices=CAPTURE_MODES,
+        later=True,
+        maps_onto=(_TRAINER + "capture",),
+    ),
     Setting("no_progress", "hide progress bars", kind="flag"),
     # the choice of the kept weights (config files)
     Setting(
@@ -588,6 +599,7 @@ _TRAINING = (
     "device",
     "precision",
     "nonfinite_loss",
+    "capture",
     "no_progress",
 )
 _SELECTION = ("config_file", "metric", "mode", "early_stopping", "no_validation_memory")

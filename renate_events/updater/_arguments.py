@@ -20,6 +20,7 @@ from renate_events.choices import (
 from renate_events.methods import LEARNERS, learner_arguments, method
 from renate_events.state_folder import StateFolderError, folder_key
 from trainer import validators as checks
+from trainer.capture import check_capture_device
 
 __all__ = [
     "check_buffer",
@@ -63,7 +64,10 @@ def check_learner_kwargs(instance: Any, attribute: attrs.Attribute[Any], value: 
 def check_trainer_kwargs(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """JSON-able keyword arguments that :class:`trainer.Trainer` takes."""
     check_json_object(instance, attribute, value)
-    check_known_keys(checks.field_name(instance, attribute), value, trainer_arguments())
+    name = checks.field_name(instance, attribute)
+    check_known_keys(name, value, trainer_arguments())
+    if value.get("capture") == "graph":  # refused here, not when the update builds its trainer
+        check_capture_device("graph", value.get("device", "auto"), f"{name}['capture']")
 
 
 def check_folder(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -335,3 +335,25 @@ def test_nonfinite_loss_is_a_flag_and_its_error_names_it(tmp_path, capsys):
     capsys.readouterr()
     assert main(["update", "--nonfinite-loss", "off"]) == 2
     assert "--nonfinite-loss: invalid choice: 'off'" in capsys.readouterr().err
+
+
+def test_capture_is_a_flag_kept_in_the_state_and_graph_needs_cuda(tmp_path, capsys, monkeypatch):
+    (tmp_path / "c.py").write_text(_SMALL_CONFIG)
+    args = ["update", "--config-file", str(tmp_path / "c.py"), "--device", "cpu", "--no-progress"]
+    out = ["--output-state", str(tmp_path / "a"), "--epochs", "2"]
+    one_line_cli_error(
+        capsys,
+        [*args, *out, "--capture", "graph"],
+        "--capture graph records CUDA graphs and needs a CUDA device, got --device 'cpu'",
+        "use --capture compile",
+    )
+    assert not (tmp_path / "a").exists()
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda function, **kw: compiled.append(kw) or function)
+    assert main([*args, *out, "--capture", "compile"]) == 0
+    assert compiled == [{}, {}]  # step and val_step, torch.compile's default mode
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["trainer"]["capture"] == "compile"
+    capsys.readouterr()
+    assert main(["update", "--capture", "cudagraph"]) == 2
+    assert "--capture: invalid choice: 'cudagraph'" in capsys.readouterr().err

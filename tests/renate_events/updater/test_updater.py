@@ -189,6 +189,10 @@ def test_a_state_folder_of_the_same_lineage_is_replaced(tmp_path):
         ({"learner_kwargs": {"memroy_size": 5}}, r"unknown arguments \['memroy_size'\]"),
         ({"learner_kwargs": {"buffer": "x"}}, r"unknown arguments \['buffer'\]"),
         ({"trainer_kwargs": {"epochs": 2}}, r"trainer_kwargs has unknown arguments \['epochs'\]"),
+        (
+            {"trainer_kwargs": {"capture": "graph", "device": "cpu"}},
+            r"trainer_kwargs\['capture'\]='graph' records CUDA graphs and needs a CUDA device",
+        ),
         ({"metadata": []}, "must be a dict"),
         ({"in_place": "yes"}, "ModelUpdater.in_place must be a bool"),
         ({"lock_timeout": -1}, "ModelUpdater.lock_timeout must be"),

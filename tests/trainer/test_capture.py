@@ -1,0 +1,187 @@
+"""``Trainer(capture=...)``: the modes, the CUDA-only refusal of ``"graph"``, the deprecated
+``compile_step``, capture failures as :class:`~trainer.CaptureError`, and compiled losses equal
+to eager ones (``aot_eager`` backend on the CPU; CUDA graphs under the ``gpu`` marker)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import warnings
+
+import attrs
+import pytest
+import torch
+
+from tests.helpers import classification_step, make_data, make_loader, make_model
+from trainer import CaptureError, Trainer
+from trainer.capture import CAPTURE_MODES, capture_mode, capture_steps
+
+
+@pytest.fixture
+def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
+class _Losses:
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_batch_end(self, loss: torch.Tensor) -> None:
+        self.values.append(loss.detach().item())
+
+
+def _fit_losses(capture: str, device: str = "cpu", **kwargs) -> list[float]:
+    model = make_model(seed=0)
+    torch.manual_seed(0)
+    loader = make_loader(make_data(n=44), batch_size=8)  # a last batch of 4
+    trainer = Trainer(max_epochs=2, device=device, seed=0, capture=capture, **kwargs)
+    losses = _Losses()
+    trainer.subscribe(losses)
+    step = classification_step(model)
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, step)
+    return losses.values
+
+
+def test_the_modes_are_the_settings():
+    assert CAPTURE_MODES == ("off", "compile", "graph")
+    assert attrs.fields(Trainer).capture.default == "off"
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_graph_is_refused_on_a_device_that_is_not_cuda(device):
+    with pytest.raises(ValueError, match=r"capture='graph' records CUDA graphs and needs a CUDA"):
+        Trainer(capture="graph", device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto is CUDA here")
+def test_graph_with_auto_is_refused_without_cuda():
+    with pytest.raises(
+        ValueError, match=r"'auto' on a machine without CUDA; use capture='compile'"
+    ):
+        Trainer(capture="graph")
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match=r"Trainer.capture must be one of"):
+        Trainer(capture="cudagraph")
+
+
+def test_compile_step_is_the_deprecated_spelling_of_compile():
+    with pytest.warns(DeprecationWarning, match=r"use Trainer\(capture='compile'\)"):
+        trainer = Trainer(compile_step=True, device="cpu")
+    assert capture_mode(trainer) == "compile"
+    assert capture_mode(Trainer(device="cpu")) == "off"
+
+
+def test_compile_step_contradicts_graph():
+    with pytest.raises(ValueError, match=r"contradicts"):
+        Trainer(compile_step=True, capture="graph", device="cpu")
+
+
+@pytest.mark.usefixtures("aot_eager")
+@pytest.mark.parametrize("kwargs", [{}, {"accumulate_grad_batches": 2}, {"nonfinite_loss": "off"}])
+def test_compiled_losses_are_the_eager_ones(kwargs):
+    eager = _fit_losses("off", **kwargs)
+    compiled = _fit_losses("compile", **kwargs)
+    assert len(compiled) == 12  # 6 batches (the last one of 4 samples) x 2 epochs
+    assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_a_compiled_step_skips_the_nonfinite_losses_the_eager_one_skips():
+    def fit(capture: str) -> tuple[list[float], int]:
+        model = make_model(seed=0)
+        data = make_data(n=48)
+        data.tensors[0][20] = float("nan")  # in the third batch of 8
+        trainer = Trainer(max_epochs=1, device="cpu", capture=capture, nonfinite_loss="skip")
+        losses = _Losses()
+        trainer.subscribe(losses)
+        loader = make_loader(data, batch_size=8, shuffle=False)
+        trainer.fit(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loader, classification_step(model)
+        )
+        return losses.values, trainer.state.skipped_batches
+
+    (eager, skipped), (compiled, skipped_compiled) = fit("off"), fit("compile")
+    assert skipped == skipped_compiled == 1
+    assert compiled == pytest.approx(eager, rel=1e-6, nan_ok=True)
+
+
+@attrs.define
+class _Counter:
+    calls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+def test_a_step_torch_compile_cannot_capture_is_a_capture_error_naming_the_fallback(aot_eager):
+    # Writing a validated attrs field inside the step sends dynamo into endless recursion.
+    model = make_model()
+    counter = _Counter()
+
+    def step(batch):
+        counter.calls = counter.calls + 1
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    with pytest.raises(CaptureError, match=r"could not capture the step .*step: .*capture='off'"):
+        trainer.fit(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader(make_data()), step
+        )
+
+
+def test_graph_copies_the_outputs_out_of_the_graph_memory(monkeypatch):
+    """Under ``"graph"`` each call marks a new CUDA-graph step and clones what it returns
+    (the next replay would overwrite it); the clone still back-propagates."""
+    marks = []
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    weight = torch.ones(3, requires_grad=True)
+    kept = {}
+
+    def step(batch):
+        kept["loss"] = (weight * batch).sum()
+        return {"loss": kept["loss"], "parts": [batch * 2], "name": "x"}
+
+    captured, _ = capture_steps("graph", step, step)
+    result = captured(torch.arange(3.0))
+    assert marks == [1]
+    assert result["loss"] is not kept["loss"] and result["name"] == "x"
+    assert torch.equal(result["loss"], kept["loss"]) and torch.equal(
+        result["parts"][0], 2 * torch.arange(3.0)
+    )
+    result["loss"].backward()
+    assert torch.equal(weight.grad, torch.arange(3.0))
+
+
+def test_graph_warns_once_when_inductor_records_no_cuda_graph(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    monkeypatch.setitem(torch._dynamo.utils.counters, "inductor", collections.Counter())
+
+    def step(batch):
+        torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] += 1  # as inductor does
+        return batch.sum()
+
+    captured, _ = capture_steps("graph", step, step)
+    with pytest.warns(RuntimeWarning, match=r"recorded no CUDA graph for a part of the step"):
+        captured(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        captured(torch.ones(2))  # once
+
+
+def test_off_leaves_the_steps_as_they_are():
+    def step(batch):
+        return batch
+
+    assert capture_steps("off", step, step) == (step, step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capture", ["compile", "graph"])
+def test_captured_losses_on_cuda_are_the_eager_ones(capture):
+    torch._dynamo.reset()
+    eager = _fit_losses("off", "cuda")
+    captured = _fit_losses(capture, "cuda")
+    assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
