@@ -174,7 +174,10 @@ def start_run(
     """
     ctx = trainer.dist
     device = _runtime.resolve_device(ctx.device_for(trainer.device))
-    model.to(device)
+    if trainer.channels_last:
+        model.to(device, memory_format=torch.channels_last)  # the 4-dimensional weights
+    else:
+        model.to(device)
     trainer.attach(model, optimizer, scheduler)
     if trainer.precision != "16-mixed":
         trainer.grad_scaler = None
@@ -185,7 +188,7 @@ def start_run(
     seed = trainer.seed or 0
     run.train_loader = trainer.train_loader = ctx.shard(run.train_loader, seed)
     run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
-    run.move = functools.partial(to_device, device=device)
+    run.move = functools.partial(to_device, device=device, channels_last=trainer.channels_last)
     run.autocast = _runtime.autocast_factory(trainer.precision, device)
     run.distributed = ctx.enabled
     max_epochs = trainer.max_epochs if trainer.max_epochs or trainer.max_steps else 1
