@@ -78,6 +78,7 @@ class Run:
         "last_loss",
         "move",
         "payload",
+        "restore_tf32",
         "scheduler",
         "scheduler_interval",
         "step",
@@ -110,6 +111,7 @@ class Run:
         self.epochs = 0
         self.last_loss: torch.Tensor | None = None
         self.val_metrics: dict[str, float] = {}
+        self.restore_tf32 = _runtime.set_tf32(None)  # nothing to put back; set by start_run
 
 
 def _identity(value: Any) -> Any:
@@ -166,7 +168,8 @@ def start_run(
     *,
     resuming: bool,
 ) -> None:
-    """Device, attachments, DDP wrapper and shards, a fresh TrainState, the seed.
+    """Device (and memory format), attachments, DDP wrapper and shards, a fresh TrainState, the
+    seed, the TF32 switches (``run.restore_tf32`` puts them back).
 
     Sets the trainer's ``model``, ``optimizer``, ``scheduler``, ``grad_scaler``,
     ``training_model``, ``train_loader`` and ``state`` (the ones :data:`REPLACED_BY_FIT` names)
@@ -197,6 +200,7 @@ def start_run(
         optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
         if trainer.seed is not None:
             _runtime.seed_everything(trainer.seed)
+    run.restore_tf32 = _runtime.set_tf32(trainer.tf32)  # last: the fit's `finally` puts it back
 
 
 def common_payload(trainer: Any) -> dict[str, Any]:

@@ -88,17 +88,10 @@ class Trainer(ListenerAPI):
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
-        tf32: Allow TensorFloat-32 (10-bit mantissa) in CUDA matmuls and cuDNN convolutions
-            during the fit (True), forbid it (False), or leave torch's settings as they are
-            (None). These are process-wide switches: the fit sets them at its start and puts the
-            previous values back at its end, also when it fails. They act on CUDA GPUs of the
-            Ampere generation and later; on the CPU they change nothing.
-        channels_last: Convert the model to the ``torch.channels_last`` memory format at the
-            start of the fit (its 4-dimensional weights; the model stays so afterwards) and
-            every 4-dimensional tensor of a batch (images) when it is moved to the device. Same
-            values, another layout: convolutions on a GPU (cuDNN, above all with bf16 or TF32)
-            may run faster. Checkpoints store the tensors in the usual layout, so a file reads
-            the same into a model of either format.
+        tf32: TensorFloat-32 in CUDA matmuls and convolutions for the fit: allowed (True), forbidden
+            (False) or torch's process-wide settings left as they are (None); put back after it.
+        channels_last: Model and image batches in ``torch.channels_last`` (the same values; see
+            "Training speed on a GPU" in the docs); the model stays so after the fit.
         compile_step: Wrap ``step`` (and ``val_step``) in ``torch.compile`` for this fit. The
             first steps then pay the compilation; later ones run the compiled graph.
         distributed: ``"auto"`` (data-parallel over the default process group when one is
@@ -213,7 +206,6 @@ class Trainer(ListenerAPI):
         # Start: device, attachments, DDP wrapper and shards, a fresh TrainState, the seed.
         start_run(self, run, model, optimizer, scheduler, resuming=resume is not None)
         run.payload, self._run = self._common(), run
-        restore_tf32 = _runtime.set_tf32(self.tf32)  # process-wide: put back in `finally`
         try:
             # Train start; a resumed fit then restores the checkpoint over what its hooks did.
             self._emit("train_start", train_loader=run.train_loader, scheduler=scheduler)
@@ -233,7 +225,7 @@ class Trainer(ListenerAPI):
             raise
         finally:
             self._run = None
-            restore_tf32()
+            run.restore_tf32()  # process-wide switches that start_run set
 
     def _run_epoch(self, run: Run, epoch: int, skip: int) -> None:
         """One epoch from batch ``skip`` (0 unless resuming mid-epoch), then its validation."""
