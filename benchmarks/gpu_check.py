@@ -31,6 +31,11 @@ On one CUDA device, in under five minutes, prints:
    and the issue's targets (library eager <= 1.05x; captured >= 4x faster). Compiling takes
    the first runs (not timed); ``--no-capture`` leaves the two out.
 
+5. precision rows (``gpu_precision.py``): that DER++ step with ``Trainer(tf32=...)`` and
+   ``Trainer(channels_last=...)`` on and off, fp32 and bf16-mixed, against the bare fp32 loop;
+6. run timing (``gpu_run_timing.py``): ``renate-events run --scenario seq-cifar10 --epochs 1`` on
+   generated CIFAR-10 files in a fresh process, with the shares of steps, evaluation and start-up.
+
 Every time is measured with ``torch.cuda.synchronize()`` before and after a run of steps. Without
 CUDA the script prints "no CUDA device; nothing to check" and exits 0; ``--cpu-dry-run`` runs the
 same code on the CPU with small sizes (the sync checks then check nothing, and say so) to try
@@ -53,6 +58,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import gpu_precision
+import gpu_run_timing
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -637,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dry = device.type == "cpu"
     if dry:  # the code paths only: small batches keep the CPU's bf16 emulation short
+        torch.set_num_threads(1)  # tiny kernels on a shared CPU: threads only wait for each other
         global BATCH, MEMORY, IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS
         BATCH, MEMORY = 16, 200
         IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS = 8, 32, (4,)
@@ -658,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     sync_section(device, batches=max(3, min(steps, 20)))
     torch._dynamo.config.recompile_limit = 64  # a learner per width and precision
     image_section(device, min(steps, 100), rounds, capture=not args.no_capture)
+    gpu_precision.section(sys.modules[__name__], device, steps, rounds)  # (5) TF32, channels-last
+    gpu_run_timing.section(device)  # (6) renate-events run: steps, evaluation, start-up shares
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -97,7 +97,7 @@ def evaluate(
     has lazy parameters to create); afterwards every submodule gets back the train/eval mode it
     had. Test data held on the CPU is pinned once and copied to a GPU without waiting; correct
     predictions are counted on the device, so there is one synchronisation (``.item()``) per
-    task.
+    task, whatever the number of batches.
 
     * ``"class-incremental"``: the prediction is the argmax over all logits.
     * ``"task-incremental"``: the task is known at test time; logits of classes outside
@@ -256,7 +256,7 @@ def _class_mask(
         )
     mask = torch.zeros(num_logits, dtype=torch.bool)
     mask[classes] = True
-    return mask.to(device)
+    return to_device(mask, device, pin=True)  # through pinned memory: the host does not wait
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Helpers the loop calls: devices, batch moves, precision, RNG states and state-dict encoding."""
+"""Helpers the loop calls: devices, batch moves, precision (autocast, TF32), RNG states and
+state-dict encoding."""
 
 from __future__ import annotations
 
@@ -35,6 +36,44 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def set_tf32(enabled: bool | None) -> Callable[[], None]:
+    """Allow (True) or forbid (False) TensorFloat-32 in CUDA matmuls and cuDNN convolutions;
+    return the function that puts back the process's previous settings (None: change nothing).
+
+    These are process-wide switches of torch, which the trainer sets for one fit only. They act
+    on CUDA devices of the Ampere generation and later; CPU matmuls and convolutions ignore them.
+    torch reports an error when a setting is read through one of its two APIs after it was
+    written through the other (``allow_tf32`` and ``set_float32_matmul_precision``, or the
+    ``fp32_precision`` strings of torch 2.9 and later), so the switch writes and restores through
+    the API the process used so far: the legacy one unless reading it fails.
+    """
+    if enabled is None:
+        return _nothing
+    cudnn = torch.backends.cudnn
+    try:
+        saved_legacy = (torch.get_float32_matmul_precision(), cudnn.allow_tf32)
+    except RuntimeError:  # written with the fp32_precision strings: read and write those
+        matmul, conv = torch.backends.cuda.matmul, cudnn.conv  # type: ignore[attr-defined]
+        saved = (matmul.fp32_precision, conv.fp32_precision)
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+
+        def restore_strings() -> None:
+            matmul.fp32_precision, conv.fp32_precision = saved
+
+        return restore_strings
+    _set_legacy_tf32("high" if enabled else "highest", enabled)
+    return lambda: _set_legacy_tf32(*saved_legacy)
+
+
+def _set_legacy_tf32(matmul_precision: str, conv: bool) -> None:
+    torch.set_float32_matmul_precision(matmul_precision)
+    torch.backends.cudnn.allow_tf32 = conv
+
+
+def _nothing() -> None:
+    pass
 
 
 def is_finite(loss: torch.Tensor) -> bool:

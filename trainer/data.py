@@ -17,13 +17,17 @@ import torch
 __all__ = ["TensorLoader", "to_device"]
 
 
-def to_device(value: Any, device: torch.device, *, pin: bool = False) -> Any:
+def to_device(
+    value: Any, device: torch.device, *, pin: bool = False, channels_last: bool = False
+) -> Any:
     """Move nested tuples, lists, namedtuples and dicts of tensors to ``device``.
 
     Tensors already there are returned as they are. A copy from the CPU to a GPU is asynchronous
     when its source is in pinned memory; with ``pin=True`` a CPU tensor that is not pinned is
     staged in pinned memory first (worth it for rows gathered from a CPU replay buffer; a
-    DataLoader with ``pin_memory=True`` pins its batches itself).
+    DataLoader with ``pin_memory=True`` pins its batches itself). With ``channels_last=True``
+    every tensor of four dimensions (a batch of images) comes out in the
+    ``torch.channels_last`` memory format (same values, channels stored last).
 
     Example:
         >>> batch = to_device((torch.zeros(2), {"y": torch.ones(2)}), torch.device("cpu"))
@@ -31,19 +35,24 @@ def to_device(value: Any, device: torch.device, *, pin: bool = False) -> Any:
         'cpu'
     """
     if isinstance(value, torch.Tensor):
-        if value.device == device:
-            return value
-        cuda = device.type == "cuda"
-        if pin and cuda and value.device.type == "cpu" and not value.is_pinned():
-            value = value.pin_memory()
-        return value.to(device, non_blocking=cuda and value.is_pinned())
+        if value.device != device:
+            cuda = device.type == "cuda"
+            if pin and cuda and value.device.type == "cpu" and not value.is_pinned():
+                value = value.pin_memory()
+            value = value.to(device, non_blocking=cuda and value.is_pinned())
+        if channels_last and value.dim() == 4:  # on the device: the copy stays asynchronous
+            value = value.contiguous(memory_format=torch.channels_last)
+        return value
     if isinstance(value, (list, tuple)):
-        moved = [to_device(item, device, pin=pin) for item in value]
+        moved = [to_device(item, device, pin=pin, channels_last=channels_last) for item in value]
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
             return type(value)(*moved)
         return type(value)(moved) if isinstance(value, tuple) else moved
     if isinstance(value, Mapping):
-        return {key: to_device(item, device, pin=pin) for key, item in value.items()}
+        return {
+            key: to_device(item, device, pin=pin, channels_last=channels_last)
+            for key, item in value.items()
+        }
     return value
 
 

@@ -79,6 +79,7 @@ class Run:
         "last_loss",
         "move",
         "payload",
+        "restore_tf32",
         "scheduler",
         "scheduler_interval",
         "step",
@@ -111,6 +112,7 @@ class Run:
         self.epochs = 0
         self.last_loss: torch.Tensor | None = None
         self.val_metrics: dict[str, float] = {}
+        self.restore_tf32 = _runtime.set_tf32(None)  # nothing to put back; set by start_run
 
 
 def _identity(value: Any) -> Any:
@@ -169,7 +171,8 @@ def start_run(
     *,
     resuming: bool,
 ) -> None:
-    """Device, attachments, DDP wrapper and shards, a fresh TrainState, the seed.
+    """Device (and memory format), attachments, DDP wrapper and shards, a fresh TrainState, the
+    seed, the TF32 switches (``run.restore_tf32`` puts them back).
 
     Sets the trainer's ``model``, ``optimizer``, ``scheduler``, ``grad_scaler``,
     ``training_model``, ``train_loader`` and ``state`` (the ones :data:`REPLACED_BY_FIT` names)
@@ -177,7 +180,10 @@ def start_run(
     """
     ctx = trainer.dist
     device = _runtime.resolve_device(ctx.device_for(trainer.device))
-    model.to(device)
+    if trainer.channels_last:
+        model.to(device, memory_format=torch.channels_last)  # the 4-dimensional weights
+    else:
+        model.to(device)
     trainer.attach(model, optimizer, scheduler)
     if trainer.precision != "16-mixed":
         trainer.grad_scaler = None
@@ -188,7 +194,7 @@ def start_run(
     seed = trainer.seed or 0
     run.train_loader = trainer.train_loader = ctx.shard(run.train_loader, seed)
     run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
-    run.move = functools.partial(to_device, device=device)
+    run.move = functools.partial(to_device, device=device, channels_last=trainer.channels_last)
     run.autocast = _runtime.autocast_factory(trainer.precision, device)
     run.distributed = ctx.enabled
     max_epochs = trainer.max_epochs if trainer.max_epochs or trainer.max_steps else 1
@@ -197,6 +203,7 @@ def start_run(
         optimizer.zero_grad(set_to_none=True)  # no stale gradients from an earlier run
         if trainer.seed is not None:
             _runtime.seed_everything(trainer.seed)
+    run.restore_tf32 = _runtime.set_tf32(trainer.tf32)  # last: the fit's `finally` puts it back
 
 
 def common_payload(trainer: Any) -> dict[str, Any]:

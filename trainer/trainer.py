@@ -110,6 +110,10 @@ class Trainer(ListenerAPI):
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
+        tf32: TensorFloat-32 in CUDA matmuls and convolutions for the fit: allowed (True), forbidden
+            (False) or torch's process-wide settings left as they are (None); put back after it.
+        channels_last: Model and image batches in ``torch.channels_last`` (the same values; see
+            "Training speed on a GPU" in the docs); the model stays so after the fit.
         compile_step: Deprecated (warns): the old spelling of ``capture="compile"``.
         distributed: ``"auto"`` (data-parallel over the default process group when one is
             initialised), ``"init"`` (initialise it from ``torchrun``'s environment first) or
@@ -145,7 +149,9 @@ class Trainer(ListenerAPI):
     nonfinite_loss: str = attrs.field(default="raise", validator=_v.one_of("raise", "skip", "off"))
     compile_step: bool = attrs.field(default=False, validator=_compile_step)
     distributed: str = attrs.field(default="auto", validator=_v.one_of(*_distributed.MODES))
-    capture: str = attrs.field(default="off", validator=_capture)  # last: positions unchanged
+    capture: str = attrs.field(default="off", validator=_capture)  # after: positions unchanged
+    tf32: bool | None = attrs.field(default=None, validator=_v.optional_boolean)
+    channels_last: bool = attrs.field(default=False, validator=_v.boolean)
 
     events: Events = attrs.field(
         init=False, default=attrs.Factory(lambda self: Events(self), takes_self=True), repr=False
@@ -243,6 +249,7 @@ class Trainer(ListenerAPI):
             raise
         finally:
             self._run = None
+            run.restore_tf32()  # process-wide switches that start_run set
 
     def _run_epoch(self, run: Run, epoch: int, skip: int) -> None:
         """One epoch from batch ``skip`` (0 unless resuming mid-epoch), then its validation."""

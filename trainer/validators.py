@@ -48,6 +48,7 @@ __all__ = [
     "is_real",
     "non_empty_string",
     "one_of",
+    "optional_boolean",
     "real_in_range",
     "snake_case",
 ]
@@ -189,6 +190,14 @@ def boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise WrongTypeError(
             f"{field_name(instance, attribute)} must be a bool (True or False), got {value!r}"
+        )
+
+
+def optional_boolean(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A validator accepting ``True``, ``False`` and ``None`` (a switch left as it is)."""
+    if value is not None and not isinstance(value, bool):
+        raise WrongTypeError(
+            f"{field_name(instance, attribute)} must be True, False or None, got {value!r}"
         )
 
 

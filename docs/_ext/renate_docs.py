@@ -136,6 +136,8 @@ def _default(action: argparse.Action) -> str:
         return "required"
     if isinstance(action, argparse._StoreTrueAction):
         return "off"
+    if isinstance(action, argparse.BooleanOptionalAction) and action.default is not None:
+        return "on" if action.default else "off"
     default = action.default
     if default is None or default == argparse.SUPPRESS:
         return "none"
@@ -149,6 +151,8 @@ def _values(action: argparse.Action) -> str:
         return " | ".join(f"``{choice}``" for choice in action.choices)
     if isinstance(action, argparse._StoreTrueAction):
         return "flag"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "switch"
     if action.type is not None:
         return getattr(action.type, "__name__", str(action.type))
     return "str"

@@ -62,6 +62,9 @@ def add_setting(parser: Any, command: str, name: str) -> None:
     kwargs: dict[str, Any] = {"help": entry.help_text(command)}
     if entry.kind == "flag":
         kwargs["action"] = "store_true"
+    elif entry.kind == "switch":
+        kwargs["action"] = argparse.BooleanOptionalAction  # --name, --no-name
+        kwargs["default"] = entry.flag_default(command)
     else:
         kwargs["default"] = entry.flag_default(command)
         if entry.kind in _TYPES:
@@ -74,7 +77,8 @@ def add_setting(parser: Any, command: str, name: str) -> None:
             kwargs["metavar"] = entry.metavar
     if entry.required:
         kwargs["required"] = True
-    parser.add_argument(entry.flag, **kwargs)
+    action = parser.add_argument(entry.flag, **kwargs)
+    action.help = kwargs["help"]  # without the "(default: ...)" a switch's action adds
 
 
 def hyperparameter_names() -> dict[str, str]:

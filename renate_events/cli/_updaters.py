@@ -45,6 +45,10 @@ _LEARNER_OPTIONS = ("memory_size", "batch_size", "memory_batch_size")
 _OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
 _TRAINER_OPTIONS = (("epochs", "max_epochs"), ("device", "device"), ("precision", "precision"))
 """Settings that are :class:`trainer.Trainer` arguments, with the argument's name."""
+_SPARSE_TRAINER_OPTIONS = ("nonfinite_loss", "capture", "tf32", "channels_last")
+"""Settings that are :class:`trainer.Trainer` arguments of the same name, recorded in the state
+only when given with another value than the Trainer's default or recorded already (so that the
+manifest of a state trained with the defaults stays as it was)."""
 
 
 def training_overrides(options: Any) -> dict[str, Any]:
@@ -184,12 +188,10 @@ def trainer_setting(
     for option, name in _TRAINER_OPTIONS:
         if overrides.get(option) is not None:
             trainer_kwargs[name] = overrides[option]
-    nonfinite = overrides.get("nonfinite_loss")
-    if nonfinite is not None and (nonfinite != "raise" or "nonfinite_loss" in trainer_kwargs):
-        trainer_kwargs["nonfinite_loss"] = nonfinite  # left out: the Trainer's default, raise
-    capture = overrides.get("capture")
-    if capture is not None and (capture != "off" or "capture" in trainer_kwargs):
-        trainer_kwargs["capture"] = capture  # left out: the Trainer's default, off
+    for name in _SPARSE_TRAINER_OPTIONS:
+        value = overrides.get(name)
+        if value is not None and (value != setting(name).default or name in trainer_kwargs):
+            trainer_kwargs[name] = value
     if overrides.get("distributed"):
         trainer_kwargs["distributed"] = "init"
     if "device" in trainer_kwargs and overrides.get("device") is None and folder is not None:

@@ -36,6 +36,7 @@ from renate_events.settings._record import (
     list_of_ints,
     mapped_default,
     model_args,
+    switch,
     text,
 )
 from renate_events.settings._table import (
@@ -62,5 +63,6 @@ __all__ = [
     "mapped_default",
     "model_args",
     "setting",
+    "switch",
     "text",
 ]

@@ -24,12 +24,14 @@ __all__ = [
     "list_of_ints",
     "mapped_default",
     "model_args",
+    "switch",
     "text",
 ]
 
-KINDS = ("str", "int", "float", "flag", "ints", "table")
-"""A setting's kind: a string, an int, a number, an on/off flag, a list of ints, a table (a TOML
-inline table or a JSON object on the command line)."""
+KINDS = ("str", "int", "float", "flag", "switch", "ints", "table")
+"""A setting's kind: a string, an int, a number, an on/off flag, a switch (``--name`` on,
+``--no-name`` off, left out: None or the default; ``true``/``false`` in TOML), a list of ints, a
+table (a TOML inline table or a JSON object on the command line)."""
 
 
 class _Derived:
@@ -50,6 +52,14 @@ def text(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise checks.WrongTypeError(
             f"{checks.field_name(instance, attribute)} must be a non-empty string, got {value!r}"
+        )
+
+
+def switch(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """``True`` or ``False`` (a TOML boolean; on the command line ``--name`` or ``--no-name``)."""
+    if not isinstance(value, bool):
+        raise checks.WrongTypeError(
+            f"{checks.field_name(instance, attribute)} must be true or false, got {value!r}"
         )
 
 
@@ -187,6 +197,13 @@ class Setting:
         """``--name-with-dashes``."""
         return "--" + self.name.replace("_", "-")
 
+    @property
+    def flags(self) -> list[str]:
+        """The flags of the setting: :attr:`flag`, and ``--no-name-with-dashes`` for a switch."""
+        if self.kind == "switch":
+            return [self.flag, "--no-" + self.flag[2:]]
+        return [self.flag]
+
     def for_command(self, command: str) -> Setting:
         """The setting as ``command`` takes it (its ``variants`` applied)."""
         variant = self.variants.get(command)
@@ -226,6 +243,8 @@ class Setting:
             return checks.int_at_least(low, high, optional=optional)
         if self.kind == "flag":
             return checks.boolean
+        if self.kind == "switch":
+            return attrs.validators.optional(switch) if optional else switch
         if self.check is not None:
             validate = self.check
         elif self.choices is not None:

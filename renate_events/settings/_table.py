@@ -455,6 +455,25 @@ _ALL = (
         maps_onto=(_TRAINER + "precision",),
     ),
     Setting(
+        "tf32",
+        "--tf32: TensorFloat-32 in CUDA matmuls and convolutions while training (faster on "
+        "Ampere GPUs and later, 10-bit mantissa); --no-tf32: never; no effect on the CPU",
+        kind="switch",
+        later=True,
+        shown="torch's: convolutions only",
+        maps_onto=(_TRAINER + "tf32",),
+    ),
+    Setting(
+        "channels_last",
+        "train in the channels-last memory format (the model and the image batches): faster "
+        "convolutions on a GPU, the same values",
+        kind="switch",
+        default=False,
+        later=True,
+        shown="no",
+        maps_onto=(_TRAINER + "channels_last",),
+    ),
+    Setting(
         "nonfinite_loss",
         "what a NaN or infinite training loss does: raise (stop the update, nothing written) or "
         "skip (no optimizer step for that batch; a metrics logger counts them as skipped_batches)",
@@ -598,6 +617,8 @@ _TRAINING = (
     "memory_batch_size",
     "device",
     "precision",
+    "tf32",
+    "channels_last",
     "nonfinite_loss",
     "capture",
     "no_progress",

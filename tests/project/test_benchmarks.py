@@ -80,6 +80,11 @@ def test_gpu_check_dry_run_runs_every_section():
         "DER++ image step, resnet18(nf=4), uint8 GPU buffer, CIFAR preset, bf16-mixed",
         "the sync census is skipped",
         "(4) DER++ image step",
+        "(5) precision rows: DER++ image step, resnet18(nf=4)",
+        "learner bf16-mixed, tf32=True, channels_last=True",
+        "(6) run timing: renate-events run --scenario seq-cifar10 --epochs 1 --device cpu",
+        "training steps (Trainer.fit)",
+        "evaluation + start-up:",
     ):
         assert line in out, line
     assert "Traceback" not in out

@@ -98,7 +98,8 @@ OVERSIZED: dict[str, int] = {
     # tree codec, and the hostile-file tests patch the module's globals
     "trainer.checkpoint": 880,
     # within a few lines of the target: the loop's phases and the per-batch path in one class
-    "trainer.trainer.Trainer": 405,
+    # (410: its arguments include the precision switches tf32 and channels_last)
+    "trainer.trainer.Trainer": 410,
     # its docstring (130 lines) documents every argument and feeds the docs' settings tables
     "renate_events.learners.base.BaseExperienceReplayLearner": 405,
 }

@@ -50,7 +50,7 @@ def test_every_flag_comes_from_a_setting_or_a_learner_hyperparameter(command):
             continue
         assert dest in COMMANDS[command], f"{command}: --{dest} is no setting of the command"
         entry = setting(dest, command)
-        assert action.option_strings == [entry.flag]
+        assert action.option_strings == entry.flags
         assert action.help == entry.help_text(command)
         assert action.required == entry.required
         if entry.kind != "flag":
