@@ -110,10 +110,8 @@ class Trainer(ListenerAPI):
             ``"skip"`` the batch (counted in ``state.skipped_batches``, flagged by
             ``state.batch_skipped`` at its ``batch_end``), or ``"off"`` (no check). The check reads
             one boolean from the device per step, a synchronisation on a GPU; ``"off"`` avoids it.
-        tf32: TensorFloat-32 in CUDA matmuls and convolutions for the fit: allowed (True), forbidden
-            (False) or torch's process-wide settings left as they are (None); put back after it.
-        channels_last: Model and image batches in ``torch.channels_last`` (the same values; see
-            "Training speed on a GPU" in the docs); the model stays so after the fit.
+        tf32: TF32 in CUDA matmuls and convolutions during the fit: True, False or None (as is).
+        channels_last: Model and image batches in ``torch.channels_last`` (kept after the fit).
         compile_step: Deprecated (warns): the old spelling of ``capture="compile"``.
         distributed: ``"auto"`` (data-parallel over the default process group when one is
             initialised), ``"init"`` (initialise it from ``torchrun``'s environment first) or
