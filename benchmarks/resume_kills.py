@@ -144,7 +144,10 @@ def main() -> None:
             if _run(folder, args).returncode != 0:
                 raise SystemExit("the reference updates failed")
         identical = killed = 0
-        print("trial  kill after step  delay ms  outcome                   resumed from  identical")
+        header = (
+            "trial  kill after step  delay ms  outcome                   resumed from  identical"
+        )
+        print(header, flush=True)
         for trial in range(options.kills):
             step, delay = rng.randint(1, STEPS), rng.uniform(0.0, 0.03)
             outcome, resumed_from, same = _trial(folder, step, delay)
@@ -152,7 +155,8 @@ def main() -> None:
             identical += same and outcome == "killed"
             shown = "-" if resumed_from is None else str(resumed_from)
             print(
-                f"{trial:5d}  {step:15d}  {delay * 1000:8.1f}  {outcome:24s}  {shown:>12s}  {same}"
+                f"{trial:5d}  {step:15d}  {delay * 1000:8.1f}  {outcome:24s}  {shown:>12s}  {same}",
+                flush=True,
             )
             shutil.rmtree(folder / "out", ignore_errors=True)
     print(f"{identical} of {killed} killed updates resumed bit-identical ({options.kills} trials)")
