@@ -112,3 +112,11 @@ def test_replay_step_resnet_checks_the_losses_and_writes_its_page(tmp_path):
     assert "losses agree over 2 steps" in out
     assert re.search(r"library / bare: \d+\.\d{3}x \(target <= 1\.10x: (met|NOT met)\)", out)
     assert "$ python benchmarks/replay_step_resnet.py --quick --nf 2" in text
+
+
+@pytest.mark.slow
+def test_resume_kills_counts_bit_identical_reruns():
+    out = _run("resume_kills.py", "--kills", "2", "--seed", "3")
+    count = re.search(r"(\d+) of (\d+) killed updates resumed bit-identical", out)
+    assert count is not None, out
+    assert count.group(1) == count.group(2), out

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from renate_events.methods import METHODS, method
 from renate_events.updater import MidUpdateCheckpointError, ModelUpdater
 from tests.helpers import ROOT, assert_same_state_folder, assert_same_tree, one_line_cli_error
 
@@ -102,6 +103,28 @@ def test_an_update_interrupted_at_random_steps_resumes_bit_identical(tmp_path, l
     assert_same_state_folder(tmp_path / "reference", tmp_path / "out")
     litter = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
     assert litter == ["first", "out", "reference"]  # the mid-update checkpoints are gone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", sorted(METHODS))
+def test_every_method_resumes_bit_identical(tmp_path, learner):
+    def updater(interrupt, output, start, **more):
+        made = _updater(learner, interrupt, output, start, **more)
+        if method(learner).features != "none":
+            made.learner_kwargs["feature_modules"] = ["1"]  # the hidden layer
+        return made
+
+    updater(_Interrupt(), tmp_path / "first", None).update(_data(0), task_id="a")
+    first = tmp_path / "first"
+    updater(_Interrupt(), tmp_path / "reference", first).update(_data(1), task_id="b")
+    with pytest.raises(KeyboardInterrupt):
+        at = random.Random(learner).randint(1, 6)  # 9 steps for learners training on the buffer
+        updater(_Interrupt(at), tmp_path / "out", first, checkpoint_every=3).update(
+            _data(1), task_id="b"
+        )
+    updater(_Interrupt(), tmp_path / "out", first).update(_data(1), task_id="b")
+    assert_same_state_folder(tmp_path / "reference", tmp_path / "out")
+    assert not (tmp_path / ".out.resume").exists()
 
 
 def test_the_same_updater_continues_after_a_ctrl_c(tmp_path):
