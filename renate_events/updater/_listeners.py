@@ -59,12 +59,15 @@ class BestWeights:
         if "best" not in checkpoint:
             self.best = self.epoch = self.weights = None
             return
-        names = sorted(self.model.state_dict())
+        current = self.model.state_dict()
         weights = checkpoint["weights"]
-        if not isinstance(weights, Mapping) or sorted(weights) != names:
+        if not isinstance(weights, Mapping) or sorted(weights) != sorted(current):
             raise ValueError("the best weights' state must hold every tensor of the model")
+        for key, tensor in current.items():
+            if weights[key].shape != tensor.shape or weights[key].dtype != tensor.dtype:
+                raise ValueError(f"the best weights' {key!r} is not the model's shape or dtype")
         self.best, self.epoch = float(checkpoint["best"]), int(checkpoint["epoch"])
-        self.weights = {key: weights[key].clone() for key in names}
+        self.weights = {key: weights[key].clone() for key in current}
 
 
 @attrs.define(eq=False)
