@@ -115,7 +115,9 @@ class MidUpdateCheckpoints:
     _fresh: bool = attrs.field(init=False, default=True)  # nothing of this update written yet
 
     @classmethod
-    def of_update(cls, output: str | os.PathLike[str], parts: Mapping[str, Any], restart: bool):
+    def of_update(
+        cls, output: str | os.PathLike[str], parts: Mapping[str, Any], restart: bool
+    ) -> MidUpdateCheckpoints:
         """The checkpoints of an update writing ``output``, identified by ``parts`` (anything
         JSON-able per part; only their digests are kept)."""
         digests = {name: _sha256_json(value) for name, value in parts.items()}
@@ -123,6 +125,7 @@ class MidUpdateCheckpoints:
 
     @property
     def record_path(self) -> str:
+        """The record of the checkpoint to continue from, ``update.json``."""
         return os.path.join(self.folder, RECORD)
 
     def start(self) -> str | None:
