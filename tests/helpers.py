@@ -4,6 +4,7 @@ and the command line run as a user runs it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import pathlib
@@ -184,6 +185,31 @@ def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
             assert_same_tree(x, y, f"{where}.{i}")
     else:
         assert a == b, where
+
+
+def _comparable_manifest(folder: pathlib.Path) -> dict:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for record in manifest["history"]:
+        record.pop("seconds")  # the one timing
+    # The checkpoint's bytes may be laid out otherwise (safetensors writes its metadata in no
+    # fixed order): its tree is compared instead.
+    manifest["files"].pop("learner.safetensors")
+    return manifest
+
+
+def assert_same_state_folder(a: pathlib.Path, b: pathlib.Path) -> None:
+    """Every tensor of the learner checkpoint and the model equal, buffer files byte for byte,
+    the manifests (file hashes included) equal apart from timings."""
+    from trainer import read_checkpoint
+
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    assert_same_tree(
+        read_checkpoint(a / "learner.safetensors"), read_checkpoint(b / "learner.safetensors")
+    )
+    for path in a.glob("buffer.*.bin"):
+        assert path.read_bytes() == (b / path.name).read_bytes(), path.name
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert _comparable_manifest(a) == _comparable_manifest(b)
 
 
 @attrs.define(eq=False)

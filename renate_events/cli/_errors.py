@@ -17,7 +17,10 @@ def one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
-_PYTHON_ADVICE = (("Trainer(nonfinite_loss='skip')", "--nonfinite-loss skip"),)
+_PYTHON_ADVICE = (
+    ("Trainer(nonfinite_loss='skip')", "--nonfinite-loss skip"),
+    ("restart=True", "--restart"),
+)
 """Advice in the library's messages that names a Python argument, and the flag that sets it."""
 
 

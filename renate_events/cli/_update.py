@@ -21,6 +21,7 @@ from renate_events.cli._tuning import search_update
 from renate_events.cli._updaters import (
     config_updater,
     progress,
+    resume_settings,
     scratch_setting,
     selection_settings,
     training_overrides,
@@ -60,6 +61,7 @@ def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
         output_state_folder=options.output_state,  # the mapped buffer's working files go beside it
         in_place=options.in_place,
         overwrite=options.overwrite,
+        **resume_settings(options, manifest),
         **scratch_setting(options),
     )
     check_same_model(options, spec, options.input_state)
@@ -100,6 +102,11 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
     chunk = options.chunk_id if options.chunk_id is not None else (manifest or {}).get("updates", 0)
     overrides = {**training_overrides(options), "seed": options.seed}
     if options.search is not None or options.search_space:
+        if options.checkpoint_every is not None or options.restart:
+            raise UsageError(
+                "--search cannot be resumed: its trials are not checkpointed; leave out "
+                f"--{'restart' if options.restart else 'checkpoint-every'}"
+            )
         return search_update(options, config, manifest, overrides, hyper, chunk)
     torch.manual_seed(options.seed)  # model_fn's initial weights, then data_fn, as in `run`
     updater = config_updater(
@@ -113,6 +120,7 @@ def _update_from_config(options: Any, values: dict[str, Any], from_file: frozens
         overwrite=options.overwrite,
         lock_timeout=options.lock_timeout,
         accept_config_change=options.accept_config_change,
+        **resume_settings(options, manifest),
         **selection_settings(options),
         **scratch_setting(options),
     )

@@ -33,6 +33,7 @@ __all__ = [
     "optimizer_setting",
     "optimizer_spec",
     "progress",
+    "resume_settings",
     "scratch_setting",
     "selection_settings",
     "trainer_setting",
@@ -224,6 +225,19 @@ def selection_settings(options: Any) -> dict[str, Any]:
         "early_stopping_patience": options.early_stopping or patience,
         "validation_memory": not options.no_validation_memory,
     }
+
+
+def resume_settings(options: Any, manifest: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``checkpoint_every`` and ``restart`` for :class:`ModelUpdater`: mid-update checkpoints
+    and whether an interrupted update's is discarded."""
+    storage = _buffer_storage({"buffer_storage": options.buffer_storage}, manifest)
+    if options.checkpoint_every is not None and storage != "memory":
+        raise UsageError(
+            f"--checkpoint-every with a {storage} buffer (--buffer-storage {storage}) is not "
+            "supported: its working files do not outlive the process; use --buffer-storage "
+            "memory or leave out --checkpoint-every"
+        )
+    return {"checkpoint_every": options.checkpoint_every, "restart": options.restart}
 
 
 def scratch_setting(options: Any) -> dict[str, Any]:

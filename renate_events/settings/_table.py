@@ -302,6 +302,22 @@ _ALL = (
             },
         },
     ),
+    Setting(
+        "checkpoint_every",
+        "write a mid-update checkpoint every N optimizer steps beside --output-state (the hidden "
+        "folder .<name>.resume): the same update command run again after an interruption "
+        "continues from it; a finished update removes it",
+        kind="int",
+        low=1,
+        maps_onto=(_UPDATER + "checkpoint_every",),
+    ),
+    Setting(
+        "restart",
+        "start from --input-state even if an interrupted update left a mid-update checkpoint "
+        "(which is then discarded; default: continue it)",
+        kind="flag",
+        maps_onto=(_UPDATER + "restart",),
+    ),
     Setting("task_id", "a name for this update"),
     Setting(
         "search",
@@ -645,6 +661,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
             "search_storage",
         ),
         *("search_study", "search_pruner", "buffer_storage", "scratch_dir", "lock_timeout"),
+        *("checkpoint_every", "restart"),
         *(*_TRAINING, *_SELECTION, *_TRACKING),
     ),
     "evaluate": (

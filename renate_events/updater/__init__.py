@@ -9,7 +9,8 @@ safely, is :mod:`renate_events.state_folder`'s (re-exported here: ``read_manifes
 The modules of this package: ``_updater`` (the class), ``_arguments`` (checks of its arguments),
 ``_probes`` (the data checked against the model before training), ``_listeners`` (best weights
 and the validation memory), ``_records`` (what the manifest records of an update),
-``_config_file`` (the config file's arguments, record and check) and ``_errors``.
+``_config_file`` (the config file's arguments, record and check), ``_resume`` (mid-update
+checkpoints: an interrupted update continues) and ``_errors``.
 """
 
 from renate_events.choices import BUFFER_STORAGES, BUFFERS, OPTIMIZERS, TRANSFORMS, default_buffer
@@ -23,7 +24,7 @@ from renate_events.state_folder import (
     state_token,
 )
 from renate_events.updater._config_file import check_config_file
-from renate_events.updater._errors import UpdateInputError
+from renate_events.updater._errors import MidUpdateCheckpointError, UpdateInputError
 from renate_events.updater._probes import dataset_tensors
 from renate_events.updater._updater import ModelUpdater
 
@@ -32,6 +33,7 @@ __all__ = [
     "BUFFER_STORAGES",
     "OPTIMIZERS",
     "TRANSFORMS",
+    "MidUpdateCheckpointError",
     "ModelUpdater",
     "StagedStateFolder",
     "StateFolderBusyError",

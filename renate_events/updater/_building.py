@@ -3,6 +3,7 @@ or mapped), its trainer with the update's listeners, and the update's functions.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +13,7 @@ import attrs
 import torch
 from torch import nn
 
-from renate_events.choices import BUFFERS, MAPPED_BUFFERS
+from renate_events.choices import BUFFERS, MAPPED_BUFFERS, optimizer_factory
 from renate_events.learners import BaseExperienceReplayLearner
 from renate_events.memory import DataBuffer
 from renate_events.methods import method
@@ -20,7 +21,7 @@ from renate_events.state_folder import folder_key
 from trainer import Trainer
 from trainer import validators as checks
 
-__all__ = ["make_buffer", "make_learner"]
+__all__ = ["make_buffer", "make_learner", "updater_learner"]
 
 
 def make_learner(
@@ -123,3 +124,29 @@ def _existing_folder(path: str) -> str:
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return path
+
+
+def updater_learner(updater: Any) -> BaseExperienceReplayLearner:
+    """The learner of a :class:`~renate_events.updater.ModelUpdater`, made from its arguments
+    (a mapped buffer's working files near its output or input folder)."""
+    near = (updater.output_state_folder, updater.input_state_folder)
+    functions = {
+        "loss_fn": updater.loss_fn,
+        "learning_rate_scheduler": updater.learning_rate_scheduler,
+        "collate_fn": updater.collate_fn,
+        "metrics": updater.metrics or None,
+        **updater.transforms,
+    }
+    return make_learner(
+        updater.learner,
+        updater.model,
+        updater.learner_kwargs,
+        optimizer=optimizer_factory(updater.optimizer),
+        trainer_kwargs=updater.trainer_kwargs,
+        listeners=updater.listeners,
+        functions=functions,
+        scheduler_interval=updater.learning_rate_scheduler_interval,
+        buffer=functools.partial(
+            make_buffer, updater.buffer, updater.buffer_storage, updater.buffer_folder, near
+        ),
+    )

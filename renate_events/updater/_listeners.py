@@ -30,7 +30,8 @@ VALIDATION_MEMORY = "validation_memory"  # the listener's name in the learner's 
 
 @attrs.define(eq=False)
 class BestWeights:
-    """Keeps a CPU copy of the model's weights at its best validation of one update."""
+    """Keeps a CPU copy of the model's weights at its best validation of one update (in the
+    trainer's checkpoints too, so that a resumed update keeps the best of its whole run)."""
 
     model: nn.Module
     metric: str
@@ -49,6 +50,24 @@ class BestWeights:
                 key: tensor.detach().to("cpu", copy=True)
                 for key, tensor in self.model.state_dict().items()
             }
+
+    def on_save_checkpoint(self, checkpoint: Any) -> None:
+        if self.best is not None:
+            checkpoint.update(best=self.best, epoch=self.epoch, weights=dict(self.weights or {}))
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        if "best" not in checkpoint:
+            self.best = self.epoch = self.weights = None
+            return
+        current = self.model.state_dict()
+        weights = checkpoint["weights"]
+        if not isinstance(weights, Mapping) or sorted(weights) != sorted(current):
+            raise ValueError("the best weights' state must hold every tensor of the model")
+        for key, tensor in current.items():
+            if weights[key].shape != tensor.shape or weights[key].dtype != tensor.dtype:
+                raise ValueError(f"the best weights' {key!r} is not the model's shape or dtype")
+        self.best, self.epoch = float(checkpoint["best"]), int(checkpoint["epoch"])
+        self.weights = {key: weights[key].clone() for key in current}
 
 
 @attrs.define(eq=False)

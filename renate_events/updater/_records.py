@@ -14,8 +14,8 @@ import attrs
 from torch import nn
 
 from renate_events.config import ConfigFile
-from renate_events.state_folder import FORMAT_NAME, FORMAT_VERSION
-from renate_events.updater._config_file import ConfigFunction, config_record
+from renate_events.state_folder import FORMAT_NAME, FORMAT_VERSION, StateFolderError
+from renate_events.updater._config_file import ConfigFunction, check_config_file, config_record
 from renate_events.updater._listeners import BestWeights
 from trainer import FitResult
 
@@ -23,6 +23,7 @@ __all__ = [
     "STRUCTURAL",
     "UpdateFunctions",
     "architecture_of",
+    "check_compatible",
     "configuration_differences",
     "describe",
     "manifest_now",
@@ -289,3 +290,19 @@ def updater_config(updater: Any) -> dict[str, Any]:
         "buffer": updater.buffer,
         "model": model_signature(updater.model),
     }
+
+
+def check_compatible(updater: Any, manifest: Mapping[str, Any]) -> None:
+    """The input folder's ``manifest`` was written by ``updater``'s configuration (a
+    :class:`~renate_events.updater.ModelUpdater`) and config file (unless it accepts a change);
+    else a :class:`~renate_events.state_folder.StateFolderError`."""
+    differences = configuration_differences(
+        manifest, updater_config(updater), updater.learner_kwargs, updater.buffer_storage
+    )
+    if differences:
+        raise StateFolderError(
+            f"the state folder {updater.input_state_folder} was written by a different "
+            "configuration: " + "; ".join(differences)
+        )
+    if updater.config_file is not None and not updater.accept_config_change:
+        check_config_file(updater.input_state_folder, manifest["config"], updater.config_file)

@@ -8,7 +8,6 @@ buffers and optimizers), checks the data before training (``_probes``), trains w
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,13 +17,12 @@ import attrs
 import torch
 from torch import nn
 
-from renate_events.choices import BUFFER_STORAGES, BUFFERS, default_buffer, optimizer_factory
+from renate_events.choices import BUFFER_STORAGES, BUFFERS, default_buffer
 from renate_events.config import ConfigFile
 from renate_events.learners import BaseExperienceReplayLearner
 from renate_events.methods import DEFAULT_METHOD, LEARNERS
 from renate_events.state_folder import (
     StagedStateFolder,
-    StateFolderError,
     folder_key,
     stage,
 )
@@ -46,8 +44,8 @@ from renate_events.updater._arguments import (
 from renate_events.updater._arguments import (
     check_optimizer_config as _optimizer_config,  # the name the optimizer field's line uses
 )
-from renate_events.updater._building import make_buffer, make_learner
-from renate_events.updater._config_file import check_config_file, config_arguments
+from renate_events.updater._building import updater_learner
+from renate_events.updater._config_file import config_arguments
 from renate_events.updater._lineage import output_token
 from renate_events.updater._listeners import (
     VALIDATION_MEMORY,
@@ -66,12 +64,18 @@ from renate_events.updater._probes import (
 from renate_events.updater._records import (
     UpdateFunctions,
     architecture_of,
-    configuration_differences,
+    check_compatible,
     dataset_size,
     manifest_now,
     update_record,
     updater_config,
     with_update,
+)
+from renate_events.updater._resume import (
+    check_checkpoint_every,
+    checkpoints_written,
+    resumed_result,
+    update_checkpoints,
 )
 from renate_events.updater._undo import all_or_nothing
 from trainer import FitResult
@@ -150,6 +154,13 @@ class ModelUpdater:
             Without ``output_state_folder``, the input state is read in place and the working
             files are made only before training, so that a state on read-only or full storage
             can be evaluated.
+        checkpoint_every: Write a mid-update checkpoint every this many optimizer steps beside
+            the output folder (``.<name>.resume``); running the same update again after it was
+            interrupted (killed, at any point) continues from it and ends as the uninterrupted
+            update would. A finished update removes it. Needs ``output_state_folder`` and
+            ``buffer_storage="memory"``.
+        restart: Start from the input state even if an interrupted update left a mid-update
+            checkpoint (default: continue it, or refuse one of another update).
 
     Raises:
         StateFolderError: From :meth:`update`, before training, when the output folder may not
@@ -246,6 +257,10 @@ class ModelUpdater:
     buffer_folder: str | os.PathLike[str] | None = attrs.field(
         default=None, kw_only=True, validator=check_folder
     )
+    checkpoint_every: int | None = attrs.field(
+        default=None, kw_only=True, validator=checks.int_at_least(1, optional=True)
+    )
+    restart: bool = attrs.field(default=False, kw_only=True, validator=checks.boolean)
 
     _learner: BaseExperienceReplayLearner | None = attrs.field(init=False, default=None)
     _manifest: dict[str, Any] | None = attrs.field(init=False, default=None)
@@ -258,6 +273,7 @@ class ModelUpdater:
             self.mode = "max" if accuracy else "min"
         check_early_stopping(self.early_stopping_enabled, self.metric)
         check_buffer(self.learner, self.buffer, self.buffer_storage)
+        check_checkpoint_every(self.checkpoint_every, self.output_state_folder, self.buffer_storage)
 
     @classmethod
     def from_config(
@@ -310,10 +326,17 @@ class ModelUpdater:
         current, validation = validation_data(self._memory, val_dataset, self.collate_fn)
         check_metric(self.metric, self.metrics, validation is not None)
         best = None if self.metric is None else BestWeights(learner.model, self.metric, self.mode)
+        checkpoints = update_checkpoints(self, task_id, train_dataset, val_dataset)
+        resume_from = None if checkpoints is None else checkpoints.start()
         started = time.time()
         patience = self.early_stopping_patience if self.early_stopping_enabled else None
-        with update_listeners(learner.trainer, best, self.metric, self.mode, patience):
-            result = learner.fit(train_dataset, validation)
+        with (
+            update_listeners(learner.trainer, best, self.metric, self.mode, patience),
+            checkpoints_written(learner.trainer, checkpoints, self.checkpoint_every),
+        ):
+            result = learner.fit(train_dataset, validation, resume_from=resume_from)
+        if resume_from is not None:
+            result = resumed_result(result, learner.trainer.state)
         if best is not None and best.weights is not None:
             learner.model.load_state_dict(best.weights)
         if current is not None and self._memory is not None:
@@ -332,6 +355,8 @@ class ModelUpdater:
         self._manifest = with_update(self._manifest_now(), task_id, record)
         if write and self.output_state_folder is not None:
             self.write_output()
+        if checkpoints is not None:
+            checkpoints.finish()
         return result
 
     def write_output(self, files: Mapping[str, bytes] | None = None) -> None:
@@ -388,14 +413,14 @@ class ModelUpdater:
     # -- building and loading ------------------------------------------------------------------
 
     def _build(self) -> BaseExperienceReplayLearner:
-        learner = self._make_learner()
+        learner = updater_learner(self)
         if self.input_state_folder is not None:
             folder = folder_key(self.input_state_folder)
 
             def prepare(manifest: dict[str, Any]) -> None:  # before the checkpoint is loaded
                 # Runs again when a writer disturbed the read and it is retried under the lock:
                 # each run starts the validation memory afresh instead of subscribing a second.
-                self._check_compatible(manifest)
+                check_compatible(self, manifest)
                 self._keep_memory(learner, False)
                 self._keep_memory(learner, manifest["validation_memory"])
 
@@ -420,29 +445,6 @@ class ModelUpdater:
         elif not wanted and self._memory is not None:
             learner.trainer.unsubscribe(self._memory)
             self._memory = None
-
-    def _make_learner(self) -> BaseExperienceReplayLearner:
-        near = (self.output_state_folder, self.input_state_folder)
-        functions = {
-            "loss_fn": self.loss_fn,
-            "learning_rate_scheduler": self.learning_rate_scheduler,
-            "collate_fn": self.collate_fn,
-            "metrics": self.metrics or None,
-            **self.transforms,
-        }
-        return make_learner(
-            self.learner,
-            self.model,
-            self.learner_kwargs,
-            optimizer=optimizer_factory(self.optimizer),
-            trainer_kwargs=self.trainer_kwargs,
-            listeners=self.listeners,
-            functions=functions,
-            scheduler_interval=self.learning_rate_scheduler_interval,
-            buffer=functools.partial(
-                make_buffer, self.buffer, self.buffer_storage, self.buffer_folder, near
-            ),
-        )
 
     # -- the state folders ---------------------------------------------------------------------
 
@@ -469,15 +471,3 @@ class ModelUpdater:
             config_file=self.config_file,
             buffer_storage=self.buffer_storage,
         )
-
-    def _check_compatible(self, manifest: Mapping[str, Any]) -> None:
-        differences = configuration_differences(
-            manifest, updater_config(self), self.learner_kwargs, self.buffer_storage
-        )
-        if differences:
-            raise StateFolderError(
-                f"the state folder {self.input_state_folder} was written by a different "
-                "configuration: " + "; ".join(differences)
-            )
-        if self.config_file is not None and not self.accept_config_change:
-            check_config_file(self.input_state_folder, manifest["config"], self.config_file)

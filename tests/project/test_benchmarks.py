@@ -138,3 +138,11 @@ def test_prompt_step_measures_every_prompt_method_and_writes_its_page(tmp_path):
     for row in ("fine-tuning", "l2p", "dualprompt", "coda-prompt"):
         assert f"| {row} |" in text, row
     assert "| fine-tuning | " in text and "1.00x" in text
+
+
+@pytest.mark.slow
+def test_resume_kills_counts_bit_identical_reruns():
+    out = _run("resume_kills.py", "--kills", "2", "--seed", "3")
+    count = re.search(r"(\d+) of (\d+) killed updates resumed bit-identical", out)
+    assert count is not None, out
+    assert count.group(1) == count.group(2), out

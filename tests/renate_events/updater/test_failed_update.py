@@ -4,16 +4,13 @@ writes exactly what a fresh update with that data writes, bit for bit on the CPU
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.methods import method
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_same_tree
+from tests.helpers import assert_same_state_folder, assert_same_tree
 from trainer import Trainer, read_checkpoint
 
 pytestmark = pytest.mark.all_or_nothing
@@ -81,28 +78,6 @@ def _fail_once(updater: ModelUpdater, fail: _Fail, where) -> None:
     fail.at = None
 
 
-def _manifest(folder: pathlib.Path) -> dict:
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for record in manifest["history"]:
-        record.pop("seconds")  # the one timing
-    # The checkpoint's bytes may be laid out otherwise: its tree is compared instead.
-    manifest["files"].pop("learner.safetensors")
-    return manifest
-
-
-def _same_folder(a: pathlib.Path, b: pathlib.Path) -> None:
-    """Every tensor of the learner checkpoint and the model equal, buffer files byte for byte,
-    the manifests (file hashes included) equal apart from timings."""
-    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-    assert_same_tree(
-        read_checkpoint(a / "learner.safetensors"), read_checkpoint(b / "learner.safetensors")
-    )
-    for path in a.glob("buffer.*.bin"):
-        assert path.read_bytes() == (b / path.name).read_bytes(), path.name
-    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    assert _manifest(a) == _manifest(b)
-
-
 @pytest.mark.parametrize("where", FAILURES)
 @pytest.mark.parametrize(
     ("learner", "storage", "from_input"),
@@ -132,7 +107,7 @@ def test_a_retry_after_a_failed_update_equals_a_fresh_update(
     retried.update(_data(2), task_id="good")
     fresh = _updater(learner, storage, _Fail(), output_state_folder=tmp_path / "fresh", **start)
     fresh.update(_data(2), task_id="good")
-    _same_folder(tmp_path / "retry", tmp_path / "fresh")
+    assert_same_state_folder(tmp_path / "retry", tmp_path / "fresh")
 
 
 def test_a_failure_while_writing_leaves_the_update_undone(tmp_path, monkeypatch):
@@ -151,7 +126,7 @@ def test_a_failure_while_writing_leaves_the_update_undone(tmp_path, monkeypatch)
     fresh = _updater("der", "memory", _Fail(), output_state_folder=tmp_path / "fresh")
     fresh.update(_data(0), task_id="a")
     fresh.update(_data(2), task_id="c")
-    _same_folder(tmp_path / "retry", tmp_path / "fresh")
+    assert_same_state_folder(tmp_path / "retry", tmp_path / "fresh")
 
 
 def _broken(manifest_now):
