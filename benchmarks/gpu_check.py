@@ -41,7 +41,8 @@ CUDA the script prints "no CUDA device; nothing to check" and exits 0; ``--cpu-d
 same code on the CPU with small sizes (the sync checks then check nothing, and say so) to try
 the script out.
 
-Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--cpu-dry-run] [--no-capture]
+Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--sections 1,2,3,4,5,6]
+       [--no-capture] [--cpu-dry-run]
 """
 
 from __future__ import annotations
@@ -634,7 +635,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out the compiled and captured image steps (their compilation takes minutes)",
     )
+    parser.add_argument(
+        "--sections",
+        default="1,2,3,4,5,6",
+        help="the sections to run, comma-separated, in the order given (default: all six)",
+    )
     args = parser.parse_args(argv)
+    try:
+        sections = [int(part) for part in args.sections.split(",")]
+    except ValueError:
+        sections = []
+    if not sections or not set(sections) <= {1, 2, 3, 4, 5, 6}:
+        parser.error(f"--sections takes numbers 1 to 6, comma-separated; got {args.sections!r}")
     if torch.cuda.is_available():
         device = torch.device("cuda")
     elif args.cpu_dry_run:
@@ -661,13 +673,17 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if not dry else "CPU (dry run)"
     print(f"torch {torch.__version__} on {name}; {steps} steps per timed run, {rounds} rounds")
     started = time.perf_counter()
-    loop_section(device, steps, rounds)
-    replay_section(device, steps, rounds)
-    sync_section(device, batches=max(3, min(steps, 20)))
     torch._dynamo.config.recompile_limit = 64  # a learner per width and precision
-    image_section(device, min(steps, 100), rounds, capture=not args.no_capture)
-    gpu_precision.section(sys.modules[__name__], device, steps, rounds)  # (5) TF32, channels-last
-    gpu_run_timing.section(device)  # (6) renate-events run: steps, evaluation, start-up shares
+    run = {
+        1: lambda: loop_section(device, steps, rounds),
+        2: lambda: replay_section(device, steps, rounds),
+        3: lambda: sync_section(device, batches=max(3, min(steps, 20))),
+        4: lambda: image_section(device, min(steps, 100), rounds, capture=not args.no_capture),
+        5: lambda: gpu_precision.section(sys.modules[__name__], device, steps, rounds),
+        6: lambda: gpu_run_timing.section(device),  # run: steps, evaluation, start-up shares
+    }
+    for number in sections:
+        run[number]()
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 
