@@ -169,6 +169,10 @@ class PromptModule(nn.Module):
     def new_task(self, task: int) -> None:
         """Prepare the prompts of update ``task`` (nothing by default)."""
 
+    def check_next_task(self) -> None:
+        """Raise ``ValueError`` if the module cannot take another update (nothing by
+        default); called before an update changes anything."""
+
     def record(self, loss: torch.Tensor) -> None:
         """Keep ``loss`` as this step's auxiliary loss, in a training forward."""
         if self.training and torch.is_grad_enabled() and self.auxiliary_loss is None:
@@ -256,6 +260,13 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
 
     def default_components(self) -> dict[str, Component]:
         return {"prompt_loss": PromptLoss(prompt=self._prompt)}
+
+    def fit(self, train_data: Any, val_data: Any = None, *, resume_from: Any = None) -> Any:
+        """As the base learner's, after the prompt module's check that it can take another
+        update (a resumed update was checked when it started)."""
+        if resume_from is None:
+            self.prompt.check_next_task()
+        return super().fit(train_data, val_data, resume_from=resume_from)
 
     def on_train_start(self) -> None:
         """As the base learner's; then the prompt module starts its task."""
