@@ -240,7 +240,8 @@ def _preset_rows() -> list[list[str]]:
 
     from renate_events import components as shared_components
     from renate_events.learners import BaseExperienceReplayLearner
-    from renate_events.methods import LEARNERS
+    from renate_events.methods import LEARNERS, METHODS
+    from renate_events.models import vit
     from trainer import Trainer
 
     base_fields = {f.name: f for f in attrs.fields(BaseExperienceReplayLearner)}
@@ -256,6 +257,8 @@ def _preset_rows() -> list[list[str]]:
                 continue
             own.append(f"``{field.name}={field.default!r}``")
         model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        if METHODS[name].model == "vit":  # a prompt method: a tiny ViT deep enough for its layers
+            model = vit(num_classes=2, image_size=4, patch_size=4, dim=8, depth=5, heads=1)
         try:
             learner = cls(model=model, trainer=Trainer(device="cpu"))
         except ValueError:  # POD components need recorded features

@@ -169,6 +169,16 @@ class PromptModule(nn.Module):
     def new_task(self, task: int) -> None:
         """Prepare the prompts of update ``task`` (nothing by default)."""
 
+    def check_next_task(self) -> None:
+        """Raise ``ValueError`` if the module cannot take another update (nothing by
+        default); called before an update changes anything."""
+
+    def check_loaded(self) -> None:
+        """Raise ``ValueError`` naming the key if a loaded ``task`` cannot be this module's."""
+        task = int(self.task)
+        if task < -1:
+            raise ValueError(f"key 'backbone.prompt.task' must be -1 or more, got {task}")
+
     def record(self, loss: torch.Tensor) -> None:
         """Keep ``loss`` as this step's auxiliary loss, in a training forward."""
         if self.training and torch.is_grad_enabled() and self.auxiliary_loss is None:
@@ -213,9 +223,9 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
     ViTBackbone` as its ``backbone``, else :class:`PromptModelError`), the method's prompt
     module (:meth:`make_prompt`) is attached to the backbone (taking over the state of a module
     of the same kind and shapes attached already: a second learner continues the first's
-    prompts) and every
-    parameter of the backbone but the prompts' is frozen (``requires_grad`` off): only the
-    prompts, their keys and the head train. No memory by default (the methods are
+    prompts) and every parameter of the backbone but the prompts' is frozen (``requires_grad``
+    off): only the prompts, their keys and the head train. A loaded state's update index is
+    checked once per load (:meth:`PromptModule.check_loaded`). No memory by default (the methods are
     rehearsal-free) and, as in the reference implementations, the new-data loss masks the
     logits of classes this update has not shown (``mask_unused_classes``). The component
     ``prompt_loss`` (:class:`PromptLoss`) adds the method's auxiliary loss.
@@ -256,6 +266,19 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
 
     def default_components(self) -> dict[str, Component]:
         return {"prompt_loss": PromptLoss(prompt=self._prompt)}
+
+    def fit(self, train_data: Any, val_data: Any = None, *, resume_from: Any = None) -> Any:
+        """As the base learner's, after the prompt module's check that it can take another
+        update (a resumed update was checked when it started)."""
+        if resume_from is None:
+            self.prompt.check_next_task()
+        return super().fit(train_data, val_data, resume_from=resume_from)
+
+    def on_load_checkpoint(self, checkpoint: Any) -> None:
+        """As the base learner's (the model is restored already), then the prompt module's
+        check of its loaded state."""
+        super().on_load_checkpoint(checkpoint)
+        self.prompt.check_loaded()
 
     def on_train_start(self) -> None:
         """As the base learner's; then the prompt module starts its task."""

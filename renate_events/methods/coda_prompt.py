@@ -84,37 +84,39 @@ class PromptComponents(PromptModule):
         task = self.task.clamp(0, self.num_tasks - 1)
         return index < (task + 1) * self.per_task, index < task * self.per_task
 
+    def _trained(self, weights: torch.Tensor) -> torch.Tensor:
+        """One block's ``(pool, ...)`` weights, the earlier updates' rows without gradients in
+        training (as the reference implementation detaches them)."""
+        if not self.training:
+            return weights
+        earlier = self._shares()[1].view(-1, *([1] * (weights.dim() - 1)))
+        return torch.where(earlier, weights.detach(), weights)
+
     def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """``alpha`` ``(batch, pool)`` of prompted block number ``layer`` (of ``layers``): the
         cosine of the attended query to each key, 0 for components not in use; the earlier
         updates' keys and attention vectors without gradients in training."""
-        active, earlier = self._shares()
-        keys, attention = self.keys[layer], self.attention[layer]
-        if self.training:
-            frozen = earlier.unsqueeze(1)
-            keys = torch.where(frozen, keys.detach(), keys)
-            attention = torch.where(frozen, attention.detach(), attention)
+        active = self._shares()[0]
+        keys, attention = self._trained(self.keys[layer]), self._trained(self.attention[layer])
         attended = F.normalize(query.unsqueeze(1) * attention, dim=2)  # (batch, pool, dim)
         alpha = torch.einsum("bkd,kd->bk", attended, F.normalize(keys, dim=1))
         return alpha * active
 
     def prefix(self, alpha: torch.Tensor, layer: int) -> Prefix:
         """The prefix keys and values of prompted block number ``layer``."""
-        components = self.components[layer]
-        if self.training:
-            frozen = self._shares()[1].view(-1, 1, 1)
-            components = torch.where(frozen, components.detach(), components)
+        components = self._trained(self.components[layer])
         prompt = torch.einsum("bk,kld->bld", alpha, components)
         half = prompt.shape[1] // 2
         return prompt[:, :half], prompt[:, half:]
 
     def penalty(self) -> torch.Tensor:
-        """The orthogonality penalty summed over the blocks, on the components in use."""
+        """The orthogonality penalty summed over the blocks, on the components in use (the
+        earlier updates' without gradients in training)."""
         active = self._shares()[0]
         total = self.keys.new_zeros(())
         for layer in range(len(self.layers)):
             for weights in (self.keys, self.attention, self.components):
-                total = total + orthogonality_penalty(weights[layer], active)
+                total = total + orthogonality_penalty(self._trained(weights[layer]), active)
         return self.ortho_mu * total
 
     def forward(self, backbone: ViTBackbone, images: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,16 @@ class DualPrompts(PromptModule):
         self.keys = nn.Parameter(torch.empty(pool_size, dim).uniform_(-1, 1))
         self.pull_constraint_coeff = pull_constraint_coeff
 
-    def new_task(self, task: int) -> None:
+    def check_loaded(self) -> None:
+        super().check_loaded()
+        if int(self.task) >= len(self.keys):
+            raise ValueError(
+                f"key 'backbone.prompt.task' must be below the pool's {len(self.keys)} "
+                f"E-prompts, got {int(self.task)}"
+            )
+
+    def check_next_task(self) -> None:
+        task = int(self.task) + 1
         if task >= len(self.keys):
             raise ValueError(
                 f"DualPrompts: update {task + 1} needs E-prompt {task}, but the pool holds "

@@ -1,7 +1,9 @@
 """Pretrained ViTs from local files: a tiny Hugging Face ViTModel saved with save_pretrained
 (safetensors) loads into the project's backbone with the same outputs, from its folder or its
 weights file; a missing path or weights that do not fit is one clear error; a prompt method
-trains on it."""
+trains on it. The weights file holds the key names of transformers 4
+(``encoder.layer.N.attention.attention.query``), a model read from a folder by transformers 5
+those of version 5 (``layers.N.attention.q_proj``): both namings are loaded."""
 
 from __future__ import annotations
 
@@ -113,3 +115,14 @@ def test_a_prompt_method_trains_on_the_pretrained_backbone(saved_vit):
     data = torch.utils.data.TensorDataset(torch.randn(8, 3, 8, 8), torch.tensor([0, 1] * 4))
     assert learner.fit(data).steps == 2
     assert torch.equal(model.backbone.blocks[0].linear1.weight, frozen)
+
+
+def test_a_classification_model_file_loads_without_its_head(saved_vit, tmp_path):
+    hf, _ = saved_vit
+    classifier = transformers.ViTForImageClassification(hf.config)
+    classifier.vit.load_state_dict(hf.state_dict(), strict=False)
+    classifier.save_pretrained(tmp_path / "cls", safe_serialization=True)
+    model = pretrained_vit(tmp_path / "cls" / "model.safetensors", num_classes=3).eval()
+    images = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(model.backbone(images), _cls_of(hf, images), atol=1e-5)

@@ -23,7 +23,7 @@ from renate_events.methods._prompting import (
 from renate_events.models import vit
 from renate_events.updater import ModelUpdater
 from tests.helpers import one_line_cli_error, parameters_of
-from trainer import Trainer
+from trainer import ListenerError, Trainer
 
 CLASSES = 4
 TINY = {"num_classes": CLASSES, "image_size": 8, "patch_size": 4, "dim": 32, "depth": 2}
@@ -258,3 +258,23 @@ def test_the_command_line_runs_updates_and_evaluates_a_prompt_method(name, tmp_p
     capsys.readouterr()
     assert main(["evaluate", "--state", str(tmp_path / "next"), "--data", str(data)]) == 0
     assert "task 0: accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.hostile
+@pytest.mark.all_or_nothing
+@pytest.mark.parametrize("name", NAMES)
+def test_a_loaded_update_index_out_of_range_is_refused_leaving_the_learner_as_it_was(
+    name, tmp_path
+):
+    model = tiny_vit()
+    learner = learner_of(name, model)
+    learner.fit(task([0, 1] * 8, seed=0))
+    model.backbone.prompt.task.fill_(-3)
+    learner.save_checkpoint(tmp_path / "bad.ckpt")
+    fresh = tiny_vit(seed=1)
+    restored = learner_of(name, fresh)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ListenerError, match=r"key .backbone\.prompt\.task. must be"):
+        restored.load_checkpoint(tmp_path / "bad.ckpt")
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, before[key]), key
