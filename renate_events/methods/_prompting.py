@@ -274,6 +274,13 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
             self.prompt.check_next_task()
         return super().fit(train_data, val_data, resume_from=resume_from)
 
+    def check_data(self, data: Any) -> None:
+        """The prompt module's check that it can take another update, then the base learner's
+        checks of ``data``: the updater runs them before an update changes anything, so a
+        refusal there is one line on the command line."""
+        self.prompt.check_next_task()
+        super().check_data(data)
+
     def on_load_checkpoint(self, checkpoint: Any) -> None:
         """As the base learner's (the model is restored already), then the prompt module's
         check of its loaded state."""

@@ -74,3 +74,28 @@ def test_an_update_beyond_the_pool_is_refused_and_leaves_no_trace():
         learner.fit(data)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_an_update_beyond_the_pool_is_an_update_input_error_of_the_updater(tmp_path):
+    """ModelUpdater refuses it before training, as an UpdateInputError (one line on the
+    command line), and writes nothing."""
+    from renate_events.updater import ModelUpdater, UpdateInputError
+
+    def updater(**folders):
+        torch.manual_seed(0)
+        return ModelUpdater(
+            model=vit(num_classes=4, image_size=8, patch_size=4, dim=32, depth=2),
+            learner="dualprompt",
+            learner_kwargs={"g_prompt_layers": [0], "e_prompt_layers": [1], "pool_size": 1},
+            trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+            **folders,
+        )
+
+    data = TensorDataset(torch.randn(8, 3, 8, 8), torch.tensor([0, 1] * 4))
+    updater(output_state_folder=str(tmp_path / "one")).update(data)
+    second = updater(
+        input_state_folder=str(tmp_path / "one"), output_state_folder=str(tmp_path / "two")
+    )
+    with pytest.raises(UpdateInputError, match="larger pool_size"):
+        second.update(data)
+    assert not (tmp_path / "two").exists()
