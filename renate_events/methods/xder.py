@@ -25,6 +25,7 @@ from renate_events.learners import BaseExperienceReplayLearner, derived_seed
 from renate_events.memory import DataBuffer, GreedyClassBalancingBuffer
 from renate_events.methods.registry import MethodSpec, register
 from trainer import validators
+from trainer.capture import eager
 from trainer.data import to_device
 
 __all__ = ["SPEC", "ExtendedDarkExperienceReplayLearner", "transplant_logits"]
@@ -250,6 +251,7 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         self._note_past_classes()
         self._counts = None if counts is None else counts.clone()
 
+    @eager
     def _past_mask(self, classes: int, device: torch.device) -> torch.Tensor:
         """The ``(classes,)`` bool mask of the past classes on ``device`` (made once per update)."""
         past = self._past
@@ -265,19 +267,30 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
 
     def _step(self, batch: Any) -> dict[str, Any]:
         """The base step, plus the future constraint on the new and the replayed logits."""
-        self._replayed, self._new_outputs = [], None
+        self._clear_step_notes()
         result = super()._step(batch)
         if self.future_constraint and self.constraint_eta > 0 and self._new_outputs is not None:
             result["loss"] = result["loss"] + self._constraint(self._new_outputs)
-        self._replayed, self._new_outputs = [], None
+        self._clear_step_notes()
         return result
+
+    @eager
+    def _clear_step_notes(self) -> None:
+        """Forget the step's outputs (eager: a captured step writes no attribute of the learner,
+        see :func:`trainer.capture.eager`)."""
+        self._replayed, self._new_outputs = [], None
+
+    @eager
+    def _note_new_outputs(self, outputs: torch.Tensor) -> None:
+        """Keep the new batch's outputs for the future constraint (eager, as above)."""
+        self._new_outputs = outputs
 
     def _forward_new_and_memory(
         self, net: nn.Module, inputs: Any, replay: bool, task_ids: torch.Tensor | None = None
     ) -> Any:
         """The base's passes; the new batch's outputs kept for the future constraint."""
         passes = super()._forward_new_and_memory(net, inputs, replay, task_ids)
-        self._new_outputs = passes.outputs
+        self._note_new_outputs(passes.outputs)
         return passes
 
     def _constraint(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -295,8 +308,10 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         total = torch.where(positive, margin, torch.zeros_like(margin)).sum()
         return self.constraint_eta * total / positive.sum().clamp(min=1)
 
+    @eager
     def _ema_update(self, batch_memory: Any, outputs_memory: torch.Tensor) -> None:
-        """The base's EMA, then the future-past update of the replayed samples' stored logits."""
+        """The base's EMA, then the future-past update of the replayed samples' stored logits
+        (eager: it writes the buffer and the counts)."""
         super()._ema_update(batch_memory, outputs_memory)
         self._replayed.append(outputs_memory)
         (_, targets), metadata = batch_memory

@@ -28,8 +28,9 @@ from renate_events.methods import (
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,
 )
-from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
+from renate_events.models import MultiHeadClassificationModel, mlp, resnet18, vit
 from renate_events.transforms import cifar_train_transform
+from tests.renate_events.methods.test_prompting import SMALL_ARGS, TINY
 from trainer import Trainer
 
 BATCH = 8
@@ -143,9 +144,13 @@ def _method(name: str) -> Callable[..., Any]:
 
     def make(capture: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
-        )
+        if METHODS[name].model == "vit":  # a prompt method: a tiny ViT on 8x8 images
+            model, data, own = vit(**TINY), _two_classes_of_images, SMALL_ARGS[name]
+        else:
+            model = torch.nn.Sequential(
+                torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
+            )
+            data, own = _two_classes, {}
         features = {} if METHODS[name].features == "none" else {"feature_modules": ("1",)}
         learner = LEARNERS[name](
             model=model,
@@ -155,10 +160,17 @@ def _method(name: str) -> Callable[..., Any]:
             batch_size=BATCH,
             trainer=Trainer(max_epochs=1, device=device, capture=capture),
             **features,
+            **own,
         )
-        return learner, _two_classes
+        return learner, data
 
     return make
+
+
+def _two_classes_of_images(task: int) -> TensorDataset:
+    inputs, labels = _two_classes(task).tensors
+    generator = torch.Generator().manual_seed(task)
+    return TensorDataset(torch.randn(len(inputs), 3, 8, 8, generator=generator), labels)
 
 
 def _two_classes(task: int) -> TensorDataset:
