@@ -368,20 +368,28 @@ EAGER_TARGET, CAPTURED_TARGET = 1.05, 4.0
 
 
 def image_variants(
-    nf: int, precision: str, device: torch.device, loader: Iterable[Any], warm: Iterable[Any]
+    nf: int,
+    precision: str,
+    device: torch.device,
+    loaders: tuple[Iterable[Any], Iterable[Any]],
+    capture: bool,
 ) -> tuple[dict[str, Run], dict[str, str]]:
     """The timed variants of the DER++ image step (each learner's memory full) and the skipped
     ones with the reason."""
+    loader, warm = loaders
     torch.manual_seed(0)
     bare = BareImageDERpp(resnet18(num_classes=CLASSES, nf=nf).to(device), loader,
                           precision, device)  # fmt: skip
     variants: dict[str, Run] = {"bare eager": bare.run}
     skipped: dict[str, str] = {}
-    for label, capture in {"library eager": "off", **CAPTURED}.items():
-        if capture == "graph" and device.type != "cuda":
+    for label, mode in {"library eager": "off", **CAPTURED}.items():
+        if mode != "off" and not capture:
+            skipped[label] = "skipped: --no-capture, or a dry run's second precision"
+            continue
+        if mode == "graph" and device.type != "cuda":
             skipped[label] = "skipped: no CUDA"
             continue
-        learner = make_image_learner(nf, precision, device, capture=capture)
+        learner = make_image_learner(nf, precision, device, capture=mode)
         learner.fit(warm)  # fills the memory (and compiles a captured step)
         variants[label] = lambda learner=learner: learner.fit(loader)
     return variants, skipped
@@ -395,10 +403,9 @@ def image_section(device: torch.device, steps: int, rounds: int, capture: bool =
     for nf in IMAGE_WIDTHS:
         for precision in PRECISIONS:
             torch._dynamo.reset()  # each width and precision compiles afresh
-            variants, skipped = image_variants(nf, precision, device, loader, warm)
-            if not capture:
-                skipped = {label: "skipped: --no-capture" for label in CAPTURED}
-                variants = {k: v for k, v in variants.items() if k not in CAPTURED}
+            # The dry run compiles once (tracing a ResNet takes ~10 s of CPU): at fp32 only.
+            compiled = capture and (device.type == "cuda" or precision == PRECISIONS[0])
+            variants, skipped = image_variants(nf, precision, device, (loader, warm), compiled)
             medians = measure(variants, steps, rounds, device)
             print_times(
                 f"(4) DER++ image step, resnet18(nf={nf}), batch {IMAGE_BATCH} + memory batch "
