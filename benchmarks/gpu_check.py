@@ -42,7 +42,7 @@ same code on the CPU with small sizes (the sync checks then check nothing, and s
 the script out.
 
 Usage: python benchmarks/gpu_check.py [--steps 200] [--rounds 5] [--sections 1,2,3,4,5,6]
-       [--no-capture] [--cpu-dry-run]
+       [--widths 20,64] [--no-capture] [--cpu-dry-run]
 """
 
 from __future__ import annotations
@@ -631,6 +631,7 @@ def sync_section(device: torch.device, batches: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BATCH, MEMORY, IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, help="steps per timed run (default 200)")
     parser.add_argument("--rounds", type=int, help="interleaved timed rounds (default 5)")
@@ -641,6 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-capture",
         action="store_true",
         help="leave out the compiled and captured image steps (their compilation takes minutes)",
+    )
+    parser.add_argument(
+        "--widths",
+        help="the ResNet widths (nf) of sections 3 to 5, comma-separated (default: 20,64)",
     )
     parser.add_argument(
         "--sections",
@@ -664,7 +669,6 @@ def main(argv: list[str] | None = None) -> int:
     dry = device.type == "cpu"
     if dry:  # the code paths only: small batches keep the CPU's bf16 emulation short
         torch.set_num_threads(1)  # tiny kernels on a shared CPU: threads only wait for each other
-        global BATCH, MEMORY, IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS
         BATCH, MEMORY = 16, 200
         IMAGE_BATCH, IMAGE_MEMORY, IMAGE_WIDTHS = 8, 32, (4,)
         # The code paths only: inductor's code generation for a ResNet takes minutes on a CPU,
@@ -673,6 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.compile = lambda function, **kwargs: compile_(  # type: ignore[assignment]
             function, **(kwargs or {"backend": "aot_eager"})
         )
+    if args.widths is not None:
+        try:
+            IMAGE_WIDTHS = tuple(int(part) for part in args.widths.split(","))
+        except ValueError:
+            parser.error(f"--widths takes numbers, comma-separated; got {args.widths!r}")
     steps = args.steps or (8 if dry else 200)
     rounds = args.rounds or (1 if dry else 5)
     if steps < 3 or rounds < 1:

@@ -3,7 +3,8 @@
 # the gpu-marked tests, benchmarks/gpu_check.py and the whole suite, each under its own time
 # limit, logs under $OUT (or ./gpu_out). Wheels for packages the machine lacks (blinker, Optuna)
 # are installed from .whl/ when that folder exists.
-#   usage: [GPU_CHECK_ARGS="--rounds 3"] bash benchmarks/gpu_session.sh [--cpu-dry-run] [gpu_check seconds] [suite seconds]
+#   usage: [STAGES="tests check suite"] [GPU_CHECK_ARGS="--rounds 3"] \
+#          bash benchmarks/gpu_session.sh [--cpu-dry-run] [gpu_check seconds] [suite seconds]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=""
@@ -11,6 +12,8 @@ if [ "${1:-}" = "--cpu-dry-run" ]; then DRY="--cpu-dry-run"; shift; fi
 CHECK_S="${1:-240}"
 SUITE_S="${2:-200}"
 OUT="${OUT:-gpu_out}"
+STAGES="${STAGES:-tests check suite}"
+has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 mkdir -p "$OUT"
 if [ -d .whl ] && [ -z "$DRY" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -24,13 +27,12 @@ import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PY
-if [ -z "$DRY" ]; then
+if [ -z "$DRY" ] && has tests; then
     echo "== pytest -m gpu"
     timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
 fi
-echo "== gpu_check.py $DRY"
-timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
-if [ -z "$DRY" ]; then
+has check && echo "== gpu_check.py $DRY" && timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
+if [ -z "$DRY" ] && has suite; then
     echo "== the whole suite"
     NPROC=$($PY -c "import os; print(min(12, os.cpu_count() or 1))")
     XDIST=""
