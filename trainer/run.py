@@ -181,7 +181,8 @@ def start_run(
     ctx = trainer.dist
     device = _runtime.resolve_device(ctx.device_for(trainer.device))
     if trainer.channels_last:
-        model.to(device, memory_format=torch.channels_last)  # the 4-dimensional weights
+        # the 4-dimensional weights (Module.to takes memory_format; its stubs do not say so)
+        model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
     else:
         model.to(device)
     trainer.attach(model, optimizer, scheduler)
