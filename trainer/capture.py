@@ -66,19 +66,11 @@ def eager(function: _F) -> _F:
     objects (their validating ``__setattr__`` sends ``torch.compile`` into endless recursion,
     ``InternalTorchDynamoError: RecursionError``), draws from CPU generators and random
     transforms (a compiled graph would draw other numbers than the eager step), pinned copies
-    and the checks of an update's first step. Each call is a graph break; outside a compiled
-    function it calls ``function`` directly (``torch.compiler.disable``'s own wrapper would
-    cost a few microseconds per call in every eager step).
+    and the checks of an update's first step. Each call is a graph break. Outside compilation
+    it is the function behind ``torch.compiler.disable``'s wrapper (a few microseconds per call;
+    a wrapper of our own that skipped it would itself be traced and recompiled by dynamo).
     """
-    disabled = torch.compiler.disable(function)
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # a constant True while dynamo traces
-            return disabled(*args, **kwargs)
-        return function(*args, **kwargs)
-
-    return cast(_F, run)
+    return cast(_F, torch.compiler.disable(function))
 
 
 _FALLBACK = "run it eagerly with capture='off' (--capture off on the command line)"
