@@ -18,8 +18,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from renate_events.methods import METHODS, method
+from renate_events.models import vit
 from renate_events.updater import MidUpdateCheckpointError, ModelUpdater
 from tests.helpers import ROOT, assert_same_state_folder, assert_same_tree, one_line_cli_error
+from tests.renate_events.methods.test_prompting import SMALL_ARGS
 
 
 class _Interrupt:
@@ -39,13 +41,30 @@ def _data(seed: int, n: int = 96) -> TensorDataset:
     return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 1).long()) % 3)
 
 
+def _images(seed: int, n: int = 96) -> TensorDataset:
+    """``_data``'s labels with 8x8 RGB images, for the prompt methods' ViT."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return TensorDataset(torch.randn(n, 3, 8, 8, generator=g), _data(seed, n).tensors[1])
+
+
 def _updater(learner: str, interrupt: _Interrupt, output, start=None, **kwargs) -> ModelUpdater:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    own = {}
+    if method(learner).model == "vit":  # a prompt method: a tiny ViT
+        model = vit(num_classes=3, image_size=8, patch_size=4, dim=32, depth=2)
+        own = SMALL_ARGS[learner]
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     return ModelUpdater(
         model,
         learner=learner,
-        learner_kwargs={"memory_size": 20, "memory_batch_size": 4, "batch_size": 8, "seed": 3},
+        learner_kwargs={
+            "memory_size": 20,
+            "memory_batch_size": 4,
+            "batch_size": 8,
+            "seed": 3,
+            **own,
+        },
         trainer_kwargs={"device": "cpu", "max_epochs": 3},
         listeners=[interrupt],
         input_state_folder=start,
@@ -114,15 +133,16 @@ def test_every_method_resumes_bit_identical(tmp_path, learner):
             made.learner_kwargs["feature_modules"] = ["1"]  # the hidden layer
         return made
 
-    updater(_Interrupt(), tmp_path / "first", None).update(_data(0), task_id="a")
+    data = _images if method(learner).model == "vit" else _data
+    updater(_Interrupt(), tmp_path / "first", None).update(data(0), task_id="a")
     first = tmp_path / "first"
-    updater(_Interrupt(), tmp_path / "reference", first).update(_data(1), task_id="b")
+    updater(_Interrupt(), tmp_path / "reference", first).update(data(1), task_id="b")
     with pytest.raises(KeyboardInterrupt):
         at = random.Random(learner).randint(1, 6)  # 9 steps for learners training on the buffer
         updater(_Interrupt(at), tmp_path / "out", first, checkpoint_every=3).update(
-            _data(1), task_id="b"
+            data(1), task_id="b"
         )
-    updater(_Interrupt(), tmp_path / "out", first).update(_data(1), task_id="b")
+    updater(_Interrupt(), tmp_path / "out", first).update(data(1), task_id="b")
     assert_same_state_folder(tmp_path / "reference", tmp_path / "out")
     assert not (tmp_path / ".out.resume").exists()
 
