@@ -279,15 +279,22 @@ def scenario_tasks(
     )
     if scenario in SCENARIOS:
         try:
-            return list(SCENARIOS[scenario](seed=seed, **variants).tasks())
+            tasks = list(SCENARIOS[scenario](seed=seed, **variants).tasks())
         except (ImportError, ValueError) as exc:
             raise UsageError(f"--scenario {scenario}{shown}: {one_line(exc)}") from None
-    try:
-        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed, **variants).tasks())
-    except (ImportError, OSError, ValueError) as exc:
+    else:
+        shown = f" --data-dir {data_dir}{shown}"
+        try:
+            tasks = list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed, **variants).tasks())
+        except (ImportError, OSError, ValueError) as exc:
+            raise UsageError(f"--scenario {scenario}{shown}: {one_line(exc)}") from None
+    if len(tasks) < 2:  # a part of a data set's classes (Tiny-ImageNet: 20 per task)
         raise UsageError(
-            f"--scenario {scenario} --data-dir {data_dir}{shown}: {one_line(exc)}"
-        ) from None
+            f"--scenario {scenario}{shown}: the data gives {len(tasks)} task (classes "
+            f"{list(tasks[0].classes) if tasks else []}); a run compares updates (forgetting, "
+            "transfer) and needs at least 2"
+        )
+    return tasks
 
 
 def options_text(value: Any) -> str:
