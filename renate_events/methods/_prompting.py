@@ -173,6 +173,10 @@ class PromptModule(nn.Module):
         """Raise ``ValueError`` if the module cannot take another update (nothing by
         default); called before an update changes anything."""
 
+    def check_updates(self, count: int) -> None:
+        """Raise ``ValueError`` if the module cannot take ``count`` more updates (nothing by
+        default); a run checks its number of tasks with it before the first update."""
+
     def check_loaded(self) -> None:
         """Raise ``ValueError`` naming the key if a loaded ``task`` cannot be this module's."""
         task = int(self.task)
@@ -273,6 +277,11 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
         if resume_from is None:
             self.prompt.check_next_task()
         return super().fit(train_data, val_data, resume_from=resume_from)
+
+    def check_updates(self, count: int) -> None:
+        """Raise ``ValueError`` if the prompt module cannot take ``count`` more updates (a run
+        of that many tasks is refused before it trains; :meth:`fit` checks one at a time)."""
+        self.prompt.check_updates(count)
 
     def check_data(self, data: Any) -> None:
         """The prompt module's check that it can take another update, then the base learner's
