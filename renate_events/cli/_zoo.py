@@ -376,7 +376,8 @@ def spec_transforms(spec: Mapping[str, Any]) -> dict[str, Any]:
     from renate_events.transforms import cifar_test_transform, cifar_train_transform
 
     test = cifar_test_transform(spec["transforms"])
-    train = cifar_train_transform(spec["transforms"]) if spec["augment"] else test
+    size = spec["inputs"][-1]  # the crop keeps the images' size (a resized data set's too)
+    train = cifar_train_transform(spec["transforms"], size=size) if spec["augment"] else test
     return {"train_transform": train, "buffer_transform": train, "test_transform": test}
 
 
