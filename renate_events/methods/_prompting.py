@@ -61,12 +61,16 @@ def prompted_backbone(model: nn.Module, learner: str) -> ViTBackbone:
     """
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, ViTBackbone):
+        found = (
+            "without a 'backbone'"
+            if backbone is None
+            else f"whose backbone is a {type(backbone).__name__}"
+        )
         raise PromptModelError(
             f"{learner} prompts a frozen Vision Transformer: the model must have a ViTBackbone "
             f"as its 'backbone' (renate_events.models.vit, or a Hugging Face ViT loaded with "
             f"renate_events.pretrained.pretrained_vit; on the command line --model vit on an "
-            f"image scenario), got a {type(model).__name__} whose backbone is "
-            f"{type(backbone).__name__}"
+            f"image scenario), got a {type(model).__name__} {found}"
         )
     return backbone
 
