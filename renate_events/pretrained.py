@@ -182,10 +182,17 @@ def _from_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     with _quiet_transformers():
         try:
             config = ViTConfig.from_pretrained(path, local_files_only=True)
-            model = ViTModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
-        except (OSError, ValueError) as exc:
-            first = str(exc).splitlines()[0]
+            model, info = ViTModel.from_pretrained(
+                path,
+                local_files_only=True,
+                add_pooling_layer=False,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported below, naming the key
+            )
+        except Exception as exc:  # transformers and safetensors raise types of their own
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise _fail(path, f"not a Hugging Face ViT folder ({first})") from None
+    _check_loading_info(path, info)
     if config.hidden_act != "gelu":
         raise _fail(path, f"key 'hidden_act' is {config.hidden_act!r}; the backbone uses 'gelu'")
     architecture = {
@@ -201,6 +208,61 @@ def _from_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return architecture, model.state_dict()
 
 
+def _check_loading_info(path: str, info: Mapping[str, Any]) -> None:
+    """Refuse what transformers only warns about: a tensor of the config's architecture that
+    the weights lack (it would start at random) or hold in another shape."""
+    missing, mismatched = list(info.get("missing_keys", ())), info.get("mismatched_keys", ())
+    if missing:
+        raise _fail(path, f"key {missing[0]!r} is missing from the weights of its config's ViT")
+    for key, given, needed in mismatched:  # the first one
+        raise _fail(
+            path,
+            f"tensor {key!r} has shape {tuple(given)}, its config.json's architecture needs "
+            f"{tuple(needed)}",
+        )
+
+
+# config.json's keys by the backbone's argument they give.
+_CONFIG_KEYS = {
+    "image_size": "image_size",
+    "patch_size": "patch_size",
+    "in_channels": "num_channels",
+    "dim": "hidden_size",
+    "depth": "num_hidden_layers",
+    "mlp_dim": "intermediate_size",
+}
+
+
+def _config_beside(path: str) -> dict[str, Any]:
+    """The ``config.json`` beside a weights file (empty when there is none)."""
+    config = os.path.join(os.path.dirname(path), "config.json")
+    if not os.path.isfile(config):
+        return {}
+    try:
+        with open(config, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise _fail(
+            path,
+            f"{config} beside it is not JSON ({exc})",
+        ) from None
+    if not isinstance(values, dict):
+        raise _fail(path, f"{config} beside it is not a JSON object")
+    return values
+
+
+def _check_against_config(path: str, architecture: Mapping[str, Any], config: Mapping) -> None:
+    """A file read beside its config.json: the tensors' architecture must be the config's (a
+    truncated file is not silently a shallower model)."""
+    for ours, theirs in _CONFIG_KEYS.items():
+        if theirs in config and config[theirs] != architecture[ours]:
+            raise _fail(
+                path,
+                f"the weights give {theirs} = {architecture[ours]!r}, the config.json beside "
+                f"them says {config[theirs]!r}",
+            )
+
+
 def _from_file(path: str, heads: int | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     import safetensors.torch
 
@@ -208,11 +270,12 @@ def _from_file(path: str, heads: int | None) -> tuple[dict[str, Any], dict[str, 
         state = safetensors.torch.load_file(path)
     except Exception as exc:  # safetensors raises its own error types for a corrupt file
         raise _fail(path, f"not a safetensors file ({str(exc).splitlines()[0]})") from None
-    config = os.path.join(os.path.dirname(path), "config.json")
-    if heads is None and os.path.isfile(config):  # a save_pretrained folder's file
-        with open(config, encoding="utf-8") as handle:
-            heads = json.load(handle).get("num_attention_heads")
-    return _architecture_of_tensors(path, state, heads), state
+    config = _config_beside(path)  # a save_pretrained folder's file
+    if heads is None:
+        heads = config.get("num_attention_heads")
+    architecture = _architecture_of_tensors(path, state, heads)
+    _check_against_config(path, architecture, config)
+    return architecture, state
 
 
 def pretrained_vit(

@@ -298,7 +298,10 @@ def _stats(dataset: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 def cifar_train_transform(
-    dataset: str = "cifar10", *, generator: torch.Generator | None = None
+    dataset: str = "cifar10",
+    *,
+    generator: torch.Generator | None = None,
+    size: int | None = None,
 ) -> Compose:
     """The standard CIFAR training augmentation for raw ``uint8`` batches ``(N, 3, 32, 32)``:
     random crop 32 with padding 4, horizontal flip, to float, normalisation.
@@ -311,6 +314,8 @@ def cifar_train_transform(
             normalise).
         generator: Where the random draws come from; ``None``: torch's global RNG (checkpointed
             by the trainer).
+        size: The crop's side, for images of another size than the data set's own (a folder
+            of 32x32 Tiny-ImageNet images); ``None``: 32 for CIFAR, 64 for Tiny-ImageNet.
 
     Example:
         >>> import torch
@@ -321,7 +326,7 @@ def cifar_train_transform(
     mean, std = _stats(dataset)
     return Compose(
         [
-            RandomCrop(_CROP[dataset], padding=4, generator=generator),
+            RandomCrop(size or _CROP[dataset], padding=4, generator=generator),
             RandomHorizontalFlip(0.5, generator=generator),
             ToFloat(),
             Normalize(mean, std),

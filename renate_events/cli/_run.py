@@ -200,6 +200,14 @@ def _run_config_file(options: Any) -> ConfigFile | None:
     return load_config_file(options.config_file)
 
 
+def _check_run_length(updater: ModelUpdater, updates: int) -> None:
+    """The learner built (its own checks) and, for a learner that can take only so many updates
+    (a pool of one prompt per update), ``updates`` checked before the first one trains."""
+    check_updates = getattr(updater.learner_instance, "check_updates", None)
+    if check_updates is not None:
+        check_updates(updates)
+
+
 def _prepare_config_seed(
     options: Any,
     config: ConfigFile,
@@ -211,6 +219,10 @@ def _prepare_config_seed(
     torch.manual_seed(seed)  # model_fn's initial weights, then data_fn, as in `update`
     overrides = {**training_overrides(options), "seed": seed, "distributed": distributed}
     updater = config_updater(config, overrides, hyper, None, **selection_settings(options))
+    try:
+        _check_run_length(updater, options.chunks or 0)
+    except ValueError as exc:
+        raise UsageError(learner_message(exc)) from None
     tasks = []
     for chunk in range(options.chunks or 0):
         train, val = config.data(chunk, seed)
@@ -300,7 +312,7 @@ def _prepare_seed(
             transforms=transforms,
             listeners=listeners,
         )
-        updater.learner_instance  # noqa: B018 - the learner's own checks, before training
+        _check_run_length(updater, len(tasks))  # and the learner's own checks
     except ValueError as exc:  # the learner's checks of a combination of options
         raise UsageError(learner_message(exc)) from None
     return _Seed(seed, tasks, updater, torch.get_rng_state(), evaluated_model, *listeners)

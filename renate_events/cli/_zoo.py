@@ -279,15 +279,22 @@ def scenario_tasks(
     )
     if scenario in SCENARIOS:
         try:
-            return list(SCENARIOS[scenario](seed=seed, **variants).tasks())
+            tasks = list(SCENARIOS[scenario](seed=seed, **variants).tasks())
         except (ImportError, ValueError) as exc:
             raise UsageError(f"--scenario {scenario}{shown}: {one_line(exc)}") from None
-    try:
-        return list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed, **variants).tasks())
-    except (ImportError, OSError, ValueError) as exc:
+    else:
+        shown = f" --data-dir {data_dir}{shown}"
+        try:
+            tasks = list(IMAGE_SCENARIOS[scenario](data_dir, seed=seed, **variants).tasks())
+        except (ImportError, OSError, ValueError) as exc:
+            raise UsageError(f"--scenario {scenario}{shown}: {one_line(exc)}") from None
+    if len(tasks) < 2:  # a part of a data set's classes (Tiny-ImageNet: 20 per task)
         raise UsageError(
-            f"--scenario {scenario} --data-dir {data_dir}{shown}: {one_line(exc)}"
-        ) from None
+            f"--scenario {scenario}{shown}: the data gives {len(tasks)} task (classes "
+            f"{list(tasks[0].classes) if tasks else []}); a run compares updates (forgetting, "
+            "transfer) and needs at least 2"
+        )
+    return tasks
 
 
 def options_text(value: Any) -> str:
@@ -369,7 +376,8 @@ def spec_transforms(spec: Mapping[str, Any]) -> dict[str, Any]:
     from renate_events.transforms import cifar_test_transform, cifar_train_transform
 
     test = cifar_test_transform(spec["transforms"])
-    train = cifar_train_transform(spec["transforms"]) if spec["augment"] else test
+    size = spec["inputs"][-1]  # the crop keeps the images' size (a resized data set's too)
+    train = cifar_train_transform(spec["transforms"], size=size) if spec["augment"] else test
     return {"train_transform": train, "buffer_transform": train, "test_transform": test}
 
 

@@ -128,11 +128,23 @@ class DataChecks:
                 f"herding at the end), got {self.buffer_filling!r}; leave buffer_filling unset"
             )
         if self.buffer_filling == "end" and self.buffer is None:
+            # suggest 'step' only to a learner that takes it (X-DER fills at the end only)
+            step = " or buffer_filling='step'" if self._takes_buffer_filling("step") else ""
             raise ValueError(
                 f"`{type(self).__name__}.buffer_filling` is 'end' (fill the memory at the end of "
                 "each update), but the learner has no memory (memory_size=0 and no buffer); set "
-                "memory_size >= 1 or buffer_filling='step'"
+                f"memory_size >= 1{step}"
             )
+
+    def _takes_buffer_filling(self, value: str) -> bool:
+        """Whether the learner's ``buffer_filling`` field accepts ``value``."""
+        field = attrs.fields_dict(type(self))["buffer_filling"]
+        try:
+            if field.validator is not None:
+                field.validator(self, field, value)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def _split_batch(self) -> None:
         """The sizes of the new-data and memory batches (``batch_memory_frac`` splits one)."""

@@ -61,12 +61,16 @@ def prompted_backbone(model: nn.Module, learner: str) -> ViTBackbone:
     """
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, ViTBackbone):
+        found = (
+            "without a 'backbone'"
+            if backbone is None
+            else f"whose backbone is a {type(backbone).__name__}"
+        )
         raise PromptModelError(
             f"{learner} prompts a frozen Vision Transformer: the model must have a ViTBackbone "
             f"as its 'backbone' (renate_events.models.vit, or a Hugging Face ViT loaded with "
             f"renate_events.pretrained.pretrained_vit; on the command line --model vit on an "
-            f"image scenario), got a {type(model).__name__} whose backbone is "
-            f"{type(backbone).__name__}"
+            f"image scenario), got a {type(model).__name__} {found}"
         )
     return backbone
 
@@ -173,6 +177,10 @@ class PromptModule(nn.Module):
         """Raise ``ValueError`` if the module cannot take another update (nothing by
         default); called before an update changes anything."""
 
+    def check_updates(self, count: int) -> None:
+        """Raise ``ValueError`` if the module cannot take ``count`` more updates (nothing by
+        default); a run checks its number of tasks with it before the first update."""
+
     def check_loaded(self) -> None:
         """Raise ``ValueError`` naming the key if a loaded ``task`` cannot be this module's."""
         task = int(self.task)
@@ -273,6 +281,11 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
         if resume_from is None:
             self.prompt.check_next_task()
         return super().fit(train_data, val_data, resume_from=resume_from)
+
+    def check_updates(self, count: int) -> None:
+        """Raise ``ValueError`` if the prompt module cannot take ``count`` more updates (a run
+        of that many tasks is refused before it trains; :meth:`fit` checks one at a time)."""
+        self.prompt.check_updates(count)
 
     def check_data(self, data: Any) -> None:
         """The prompt module's check that it can take another update, then the base learner's

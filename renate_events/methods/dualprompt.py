@@ -72,6 +72,14 @@ class DualPrompts(PromptModule):
                 f"E-prompts, got {int(self.task)}"
             )
 
+    def check_updates(self, count: int) -> None:
+        last = int(self.task) + count  # the E-prompt of the last of these updates
+        if last >= len(self.keys):
+            raise ValueError(
+                f"DualPromptLearner.pool_size must be at least {last + 1} for {count} more "
+                f"updates (one E-prompt each), got {len(self.keys)}"
+            )
+
     def check_next_task(self) -> None:
         task = int(self.task) + 1
         if task >= len(self.keys):

@@ -48,12 +48,16 @@ from renate_events.scenarios.classes import (
     shuffled_classes,
 )
 from renate_events.scenarios.presets import (
+    DOMAIN_TASKS,
     IMAGE_SCENARIOS,
+    IMAGE_SOURCES,
     SCENARIOS,
+    domain_images,
     permuted_digits,
     rotated_digits,
     seq_cifar10,
     seq_cifar100,
+    seq_tinyimagenet,
     split_digits,
 )
 from renate_events.scenarios.streams import (
@@ -71,7 +75,9 @@ from renate_events.scenarios.transformed import (
 
 __all__ = [
     "DEFAULT_TEST_FRACTION",
+    "DOMAIN_TASKS",
     "IMAGE_SCENARIOS",
+    "IMAGE_SOURCES",
     "SCENARIOS",
     "ClassIncrementalScenario",
     "DataIncrementalScenario",
@@ -83,6 +89,7 @@ __all__ = [
     "Scenario",
     "Task",
     "blurry_assignment",
+    "domain_images",
     "dominant_hues",
     "permuted_digits",
     "resolve_class_order",
@@ -90,6 +97,7 @@ __all__ = [
     "rotated_digits",
     "seq_cifar10",
     "seq_cifar100",
+    "seq_tinyimagenet",
     "shuffled_classes",
     "split_digits",
 ]

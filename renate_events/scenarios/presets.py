@@ -52,13 +52,20 @@ def _class_incremental(
     if class_order is None:
         groups = _consecutive_groups(num_classes, per_task)
         return ClassIncrementalScenario(data, class_groups=groups, blurry=blurry, **kwargs)
-    return ClassIncrementalScenario(
+    scenario = ClassIncrementalScenario(
         data,
         num_tasks=-(-num_classes // per_task),
         class_order=class_order,
         blurry=blurry,
         **kwargs,
     )
+    if num_classes % per_task == 0:
+        return scenario
+    # num_tasks splits into sizes differing by one; the preset's tasks are per_task classes in
+    # this order, the last one the rest (as without a class order)
+    order = [c for group in scenario.groups() for c in group]
+    groups = tuple(tuple(order[i : i + per_task]) for i in range(0, len(order), per_task))
+    return ClassIncrementalScenario(data, class_groups=groups, blurry=blurry, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +152,11 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
 
 
 def _consecutive_groups(num_classes: int, per_task: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(range(c, c + per_task)) for c in range(0, num_classes, per_task))
+    """``per_task`` classes per task; the last task has the rest (data with a part of a data
+    set's classes, such as 50 wnids of Tiny-ImageNet, ends with a smaller task)."""
+    return tuple(
+        tuple(range(c, min(c + per_task, num_classes))) for c in range(0, num_classes, per_task)
+    )
 
 
 def seq_cifar10(

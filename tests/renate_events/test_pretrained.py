@@ -126,3 +126,51 @@ def test_a_classification_model_file_loads_without_its_head(saved_vit, tmp_path)
     images = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         assert torch.allclose(model.backbone(images), _cls_of(hf, images), atol=1e-5)
+
+
+def _folder_with(tmp_path, saved_vit, state):
+    """A copy of the saved folder (its config.json) holding ``state`` as its weights."""
+    import safetensors.torch
+
+    _, folder = saved_vit
+    copy = tmp_path / "copy"
+    copy.mkdir(parents=True)
+    shutil.copy(folder / "config.json", copy / "config.json")
+    if isinstance(state, bytes):
+        (copy / "model.safetensors").write_bytes(state)
+    else:
+        safetensors.torch.save_file(state, str(copy / "model.safetensors"))
+    return copy
+
+
+@pytest.mark.hostile
+def test_a_folder_whose_weights_do_not_fit_its_config_is_one_error(saved_vit, tmp_path):
+    """transformers reinitialises missing tensors at random (a warning only) and raises its own
+    error types for a corrupt file or a tensor of another shape: each is a PretrainedModelError
+    naming the folder, never a half-pretrained model."""
+    import safetensors.torch
+
+    _, folder = saved_vit
+    state = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    missing = {k: v for k, v in state.items() if ".1." not in k}  # block 1 left out
+    with pytest.raises(PretrainedModelError, match=r"layers?\.1\..*is missing"):
+        pretrained_vit(_folder_with(tmp_path / "a", saved_vit, missing), num_classes=2)
+    other = dict(state, **{"layernorm.weight": torch.ones(7)})
+    with pytest.raises(PretrainedModelError, match=r"layernorm\.weight.*shape"):
+        pretrained_vit(_folder_with(tmp_path / "b", saved_vit, other), num_classes=2)
+    with pytest.raises(PretrainedModelError, match="not a Hugging Face ViT folder"):
+        pretrained_vit(_folder_with(tmp_path / "c", saved_vit, b"garbage"), num_classes=2)
+
+
+@pytest.mark.hostile
+def test_a_weights_file_that_contradicts_its_config_is_refused(saved_vit, tmp_path):
+    """A file's architecture comes from its tensors; with a config.json beside it (a
+    save_pretrained folder's file) a truncated file is not silently a shallower model."""
+    import safetensors.torch
+
+    _, folder = saved_vit
+    state = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    missing = {k: v for k, v in state.items() if ".1." not in k}
+    copy = _folder_with(tmp_path, saved_vit, missing)
+    with pytest.raises(PretrainedModelError, match="num_hidden_layers"):
+        pretrained_vit(copy / "model.safetensors", num_classes=2)

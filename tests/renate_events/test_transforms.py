@@ -377,3 +377,17 @@ def test_the_tinyimagenet_preset_crops_64_and_normalises_with_its_statistics():
     test = cifar_test_transform("tinyimagenet")(images)
     expected = (128 / 255 - torch.tensor(TINYIMAGENET_MEAN)) / torch.tensor(TINYIMAGENET_STD)
     assert torch.allclose(test[0, :, 0, 0], expected)
+
+
+def test_the_command_lines_preset_crops_images_of_their_own_size():
+    """A Tiny-ImageNet folder of 32x32 (or 8x8) images: the training transform crops at the
+    images' size; its fixed crop of 64 refused every batch, in a message about model_fn."""
+    from renate_events.cli._zoo import spec_transforms
+
+    for side in (8, 32, 64):
+        spec = {"kind": "zoo", "transforms": "tinyimagenet", "augment": True}
+        spec["inputs"] = [3, side, side]
+        images = torch.randint(0, 256, (2, 3, side, side), dtype=torch.uint8)
+        transforms = spec_transforms(spec)
+        for name in ("train_transform", "buffer_transform", "test_transform"):
+            assert transforms[name](images).shape == (2, 3, side, side), (side, name)

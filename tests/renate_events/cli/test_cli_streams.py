@@ -127,3 +127,44 @@ def test_domain_incremental_cifar10_runs(tmp_path: pathlib.Path, kind: str) -> N
     assert len(run["class_groups"]) == 5
     if kind != "hue-shift":  # every task has every class
         assert all(group == list(range(10)) for group in run["class_groups"])
+
+
+def test_seq_tinyimagenet_with_a_part_of_the_classes_ends_with_a_smaller_task(tmp_path) -> None:
+    """A folder of 10 or 50 classes (a part of Tiny-ImageNet) gives tasks of twenty and a last
+    task of the rest, with or without a class order; before, the sorted groups named classes
+    the data does not have and the scenario refused them ("remove them from class_groups", an
+    argument the command line does not have)."""
+    pytest.importorskip("PIL")
+    from renate_events.scenarios import seq_tinyimagenet
+    from tests.renate_events.datasets.test_images_tiny_imagenet import write_tiny_imagenet
+
+    for count, sizes in ((10, [10]), (50, [20, 20, 10])):
+        wnids = tuple(f"n{i:03d}" for i in range(count))
+        write_tiny_imagenet(tmp_path / str(count), per_class=1, val_per_class=1, wnids=wnids)
+        for order in (None, "seed:1"):
+            scenario = seq_tinyimagenet(tmp_path / str(count), class_order=order)
+            assert [len(task.classes) for task in scenario.tasks()] == sizes
+
+
+def test_a_scenario_of_one_task_is_one_line_before_training(tmp_path, capsys) -> None:
+    """Ten wnids of Tiny-ImageNet make one task of the twenty-class split: the run trained, then
+    stopped with a traceback ("forgetting is undefined for 1 task(s)") and no results."""
+    pytest.importorskip("PIL")
+    from tests.renate_events.datasets.test_images_tiny_imagenet import write_tiny_imagenet
+
+    wnids = tuple(f"n{i:03d}" for i in range(10))
+    write_tiny_imagenet(tmp_path / "data", per_class=1, val_per_class=1, wnids=wnids)
+    out = tmp_path / "out"
+    argv = ["run", "--scenario", "seq-tinyimagenet", "--data-dir", str(tmp_path / "data")]
+    argv += [
+        "--model",
+        "mlp",
+        "--no-augment",
+        "--class-order",
+        "seed:1",
+        "--output-dir",
+        str(out),
+        *FAST,
+    ]
+    one_line_cli_error(capsys, argv, "gives 1 task", "at least 2")
+    assert not out.exists()

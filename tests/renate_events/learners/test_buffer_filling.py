@@ -301,3 +301,28 @@ def test_a_memory_mapped_buffer_is_filled_without_an_extra_snapshot_generation(t
     assert sorted(p.name for p in tmp_path.glob("*.g*.bin")) == sorted(
         p.name for p in tmp_path.glob("*.g1.*.bin")
     )
+
+
+def test_the_no_memory_refusal_suggests_only_a_filling_the_learner_takes():
+    """X-DER fills its buffer only at the end: its refusal of memory_size=0 must not suggest
+    buffer_filling='step', which it refuses in turn. Every learner's suggestion is tried."""
+    from renate_events.methods import (
+        LEARNERS,
+        ExtendedDarkExperienceReplayLearner,
+        PromptModelError,
+    )
+
+    suggested = 0
+    for cls in LEARNERS.values():
+        try:
+            _learner(cls, memory_size=0)
+        except PromptModelError:
+            continue  # needs a ViT; its own tests build it
+        except ValueError as error:
+            if "buffer_filling='step'" in str(error):
+                suggested += 1
+                _learner(cls, memory_size=0, buffer_filling="step")  # the suggestion is taken
+    assert suggested > 0
+    with pytest.raises(ValueError, match="memory_size >= 1") as refused:
+        _learner(ExtendedDarkExperienceReplayLearner, memory_size=0)
+    assert "'step'" not in str(refused.value)

@@ -99,3 +99,25 @@ def test_an_update_beyond_the_pool_is_an_update_input_error_of_the_updater(tmp_p
     with pytest.raises(UpdateInputError, match="larger pool_size"):
         second.update(data)
     assert not (tmp_path / "two").exists()
+
+
+def test_a_run_longer_than_the_pool_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    """A run of five tasks with a pool of three E-prompts: refused before the first update (it
+    trained three updates, then stopped at the fourth)."""
+    from renate_events.methods import DualPromptLearner as learner_class
+    from tests.helpers import one_line_cli_error
+    from tests.renate_events.datasets.test_readers_cifar import write_cifar10
+
+    write_cifar10(tmp_path / "data" / "cifar-10-batches-bin", per_class=2, test_per_class=1)
+    fits = []
+    original = learner_class.fit
+    monkeypatch.setattr(
+        learner_class, "fit", lambda self, *a, **k: fits.append(1) or original(self, *a, **k)
+    )
+    argv = ["run", "--scenario", "seq-cifar10", "--data-dir", str(tmp_path / "data")]
+    argv += ["--model", "vit", "--model-args", "{dim = 32, depth = 2, patch_size = 8}"]
+    argv += ["--learner", "dualprompt", "--pool-size", "3", "--g-prompt-layers", "[0]"]
+    argv += ["--e-prompt-layers", "[1]", "--epochs", "1", "--no-progress"]
+    argv += ["--output-dir", str(tmp_path / "out")]
+    one_line_cli_error(capsys, argv, "--pool-size must be at least 5 for 5 more updates")
+    assert fits == [] and not (tmp_path / "out").exists()
