@@ -307,6 +307,22 @@ def sync_errors_in_steady_state(trainer: Any, last: int) -> Iterator[None]:
         trainer.unsubscribe(sync_off)
 
 
+def assert_next_update_steps_do_not_sync(learner: Any, first: Any, batch: Any) -> None:
+    """Fit ``learner`` (on CUDA) on ``first``, start the next update and take its first step on
+    ``batch`` (it checks the batch and may synchronise); then three more steps with backward
+    under ``set_sync_debug_mode("error")``: a synchronising operation fails the test."""
+    learner.fit(first)
+    learner.on_train_start()  # the next update starts
+    batch = tuple(tensor.cuda() for tensor in batch)
+    learner.training_step(batch)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            learner.training_step(batch)["loss"].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def wandb_offline_env(folder: Any) -> dict[str, str]:
     """Environment variables under which W&B runs offline, silent, without system statistics
     and with every folder of its own (runs, cache, artifacts, settings) under ``folder``: it never

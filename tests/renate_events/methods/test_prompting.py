@@ -22,7 +22,7 @@ from renate_events.methods._prompting import (
 )
 from renate_events.models import vit
 from renate_events.updater import ModelUpdater
-from tests.helpers import one_line_cli_error, parameters_of
+from tests.helpers import assert_next_update_steps_do_not_sync, one_line_cli_error, parameters_of
 from trainer import ListenerError, Trainer
 
 CLASSES = 4
@@ -216,16 +216,8 @@ def test_the_step_makes_no_host_sync_on_cuda(name):
         trainer=Trainer(max_epochs=1, device="cuda", nonfinite_loss="off"),
         **SMALL_ARGS[name],
     )
-    learner.fit(task([0, 1] * 8, seed=0))
-    learner.on_train_start()  # the next update starts
-    batch = tuple(tensor.cuda() for tensor in task([2, 3] * 4, seed=1).tensors)
-    learner.training_step(batch)  # the first step checks the batch (and may synchronise)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            learner.training_step(batch)["loss"].backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    first, batch = task([0, 1] * 8, seed=0), task([2, 3] * 4, seed=1).tensors
+    assert_next_update_steps_do_not_sync(learner, first, batch)
 
 
 @pytest.mark.slow

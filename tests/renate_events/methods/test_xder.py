@@ -16,7 +16,7 @@ from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
 from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner, method
 from renate_events.methods.xder import transplant_logits
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_same_tree, parameters_of
+from tests.helpers import assert_next_update_steps_do_not_sync, assert_same_tree, parameters_of
 from trainer import Trainer, read_checkpoint
 from trainer.exceptions import ListenerError
 
@@ -270,16 +270,8 @@ def test_the_step_makes_no_host_sync_on_cuda():
         batch_size=16,
         trainer=Trainer(max_epochs=1, device="cuda", nonfinite_loss="off"),
     )
-    learner.fit(_data([0, 1] * 32, seed=0))
-    learner.on_train_start()  # the next update starts
-    batch = tuple(tensor.cuda() for tensor in _data([2, 3] * 8, seed=1).tensors)
-    learner.training_step(batch)  # the first step checks the batch (and may synchronise)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            learner.training_step(batch)["loss"].backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    first, batch = _data([0, 1] * 32, seed=0), _data([2, 3] * 8, seed=1).tensors
+    assert_next_update_steps_do_not_sync(learner, first, batch)
 
 
 class _SaveThenCrash:
