@@ -331,9 +331,9 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         max p_present`` of the new batch, ``p`` its softmax over the past and present classes.
 
         Mammoth's past constraint: the largest probability among the present classes is pushed
-        a margin above the largest among the past ones (that side detached, so the past logits
-        are not pushed down through it). A class of the buffer that this update's data shows
-        again counts as present, not as past ("old" is past and not present).
+        a margin above the largest among the past ones (that side detached: the gradient goes
+        through the present side's probability only). A class of the buffer that this update's
+        data shows again counts as present, not as past ("old" is past and not present).
         """
         past, present = self._past_and_present(outputs)
         old = past & ~present

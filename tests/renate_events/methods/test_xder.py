@@ -176,6 +176,17 @@ def test_the_past_constraint_needs_past_classes():
     assert losses[True] == losses[False] and len(losses[True]) == 1
 
 
+def test_without_present_classes_the_past_constraint_adds_nothing():
+    """With mask_unused_classes=False the step notes no present class: the past constraint
+    adds nothing (and no NaN) in the second update."""
+    losses = {True: [], False: []}
+    for past_constraint, found in losses.items():
+        _, learner = _first_update(mask_unused_classes=False, past_constraint=past_constraint)
+        learner.trainer.connect("batch_end", _recorder(found))
+        learner.fit(_data([2, 3] * 4, seed=1))
+    assert losses[True] == losses[False] and torch.isfinite(torch.tensor(losses[True])).all()
+
+
 def _recorder(found):
     """A batch_end listener appending each step's loss to ``found``."""
     return lambda loss: found.append(loss.item())
