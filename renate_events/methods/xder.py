@@ -103,7 +103,12 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
        synchronisation;
     4. with ``future_constraint``, ``constraint_eta`` times the mean of the positive margins
        ``max(future logits) + constraint_margin - max(own logits)`` over the new batch (own:
-       present classes) and the replayed samples (own: the past classes).
+       present classes) and the replayed samples (own: the past classes);
+    5. with ``past_constraint``, ``constraint_eta`` times the mean of the positive margins
+       ``max(past probabilities) + constraint_margin - max(present probabilities)`` over the
+       new batch, its probabilities a softmax over the past and present classes, the past side
+       detached (Mammoth's "past logits constraint": without it the present classes' logits of
+       a new sample stay below the past ones' and the newest classes are hardly predicted).
 
     The terms are summed (``loss_normalization=False``, as the reference code). At the end of
     an update the buffer is filled class-balanced with the final model's logits
@@ -114,8 +119,8 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
 
     Not implemented (documented in ``docs/methods.rst``): the SupCon consistency loss on the
     future heads (it needs strong image augmentations), the distance-preserving loss
-    (``dp_weight``, 0 by default in Mammoth), the past constraint (off by default in Mammoth),
-    the BatchNorm alignment (``align_bn``) and the RPC classifier of the X-DER RPC variant.
+    (``dp_weight``, 0 by default in Mammoth), the BatchNorm alignment (``align_bn``) and the
+    RPC classifier of the X-DER RPC variant.
     Where Mammoth's replayed samples keep their own task's head in the future constraint, here
     it is every past class (updates need not be tasks of fixed size), and a sample drawn in both
     memory batches of a step is updated twice. The replay counts start at 0 with each update
@@ -128,8 +133,12 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         logit_update_gamma: Scale of the label's stored logit that transplanted logits stay
             below (Mammoth's ``gamma``, "weight for logit update", 0.85).
         future_constraint: Add the margin loss that keeps future logits below the own ones.
-        constraint_eta: Weight of that loss (Mammoth's ``constr_eta``).
-        constraint_margin: Its margin (Mammoth's ``constr_margin``).
+        past_constraint: Add the margin loss that keeps a new sample's present-class
+            probabilities above its past-class ones (always on in the paper's code, a flag off
+            by default in later Mammoth versions).
+        constraint_eta: Weight of both margin losses (Mammoth's ``constr_eta``).
+        constraint_margin: Their margin (Mammoth's ``constr_margin``; for the past constraint a
+            margin of probabilities).
 
     Example:
         >>> import torch
@@ -150,6 +159,7 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         default=0.85, kw_only=True, validator=validators.real_in_range(0, low_open=True)
     )
     future_constraint: bool = attrs.field(default=True, kw_only=True, validator=validators.boolean)
+    past_constraint: bool = attrs.field(default=True, kw_only=True, validator=validators.boolean)
     constraint_eta: float = attrs.field(
         default=0.1, kw_only=True, validator=validators.real_in_range(0)
     )
@@ -266,11 +276,16 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
     # -- the step -------------------------------------------------------------------------------
 
     def _step(self, batch: Any) -> dict[str, Any]:
-        """The base step, plus the future constraint on the new and the replayed logits."""
+        """The base step, plus the future constraint on the new and the replayed logits and the
+        past constraint on the new ones."""
         self._clear_step_notes()
         result = super()._step(batch)
-        if self.future_constraint and self.constraint_eta > 0 and self._new_outputs is not None:
-            result["loss"] = result["loss"] + self._constraint(self._new_outputs)
+        outputs = self._new_outputs
+        if self.constraint_eta > 0 and outputs is not None:
+            if self.future_constraint:
+                result["loss"] = result["loss"] + self._constraint(outputs)
+            if self.past_constraint:
+                result["loss"] = result["loss"] + self._past_constraint(outputs)
         self._clear_step_notes()
         return result
 
@@ -293,18 +308,49 @@ class ExtendedDarkExperienceReplayLearner(BaseExperienceReplayLearner):
         self._note_new_outputs(passes.outputs)
         return passes
 
-    def _constraint(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``constraint_eta`` times the mean positive margin of future over own logits."""
+    def _past_and_present(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(C,)`` masks of the past and the present classes of ``outputs``' columns (no
+        present class with ``mask_unused_classes=False``: the step does not note them)."""
         classes = outputs.shape[-1]
         past = self._past_mask(classes, outputs.device)
         present = self._seen_classes
         if present is None or present.numel() != classes:  # mask_unused_classes=False
             present = torch.zeros_like(past)
+        return past, present
+
+    def _constraint(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``constraint_eta`` times the mean positive margin of future over own logits."""
+        past, present = self._past_and_present(outputs)
         future = ~(past | present)
         margins = [_margins(outputs, future, present)]
         margins += [_margins(o, future, past) for o in self._replayed]
-        margin = torch.cat(margins) + self.constraint_margin
-        positive = margin > 0  # a row without future (or own) logits is not positive
+        return self._mean_positive(torch.cat(margins) + self.constraint_margin)
+
+    def _past_constraint(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``constraint_eta`` times the mean positive margin ``max p_old + constraint_margin -
+        max p_present`` of the new batch, ``p`` its softmax over the past and present classes.
+
+        Mammoth's past constraint: the largest probability among the present classes is pushed
+        a margin above the largest among the past ones (that side detached: the gradient goes
+        through the present side's probability only). A class of the buffer that this update's
+        data shows again counts as present, not as past ("old" is past and not present).
+        """
+        past, present = self._past_and_present(outputs)
+        old = past & ~present
+        kept = old | present
+        # Where no column is kept (no present class noted) the softmax is taken over every
+        # class rather than over none (NaN); those rows have no finite margin below anyway.
+        kept = torch.where(kept.any(), kept, torch.ones_like(kept))
+        probabilities = F.softmax(outputs.float().masked_fill(~kept, float("-inf")), dim=1)
+        bad, good = _largest(probabilities.detach(), old), _largest(probabilities, present)
+        finite = torch.isfinite(bad) & torch.isfinite(good)
+        margin = torch.where(finite, bad - good, torch.full_like(bad, float("-inf")))
+        return self._mean_positive(margin + self.constraint_margin)
+
+    def _mean_positive(self, margin: torch.Tensor) -> torch.Tensor:
+        """``constraint_eta`` times the mean of the positive ``margin`` entries (0 if none;
+        counted on the device, without a synchronisation)."""
+        positive = margin > 0  # a row without the classes compared (-inf) is not positive
         total = torch.where(positive, margin, torch.zeros_like(margin)).sum()
         return self.constraint_eta * total / positive.sum().clamp(min=1)
 

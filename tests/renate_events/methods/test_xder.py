@@ -70,11 +70,22 @@ def _mammoth_update_logits(old, new, gt, start, end, gamma):
     return old
 
 
-def _xder_loss(model, batch, memory, alpha=1.0, beta=1.0, eta=0.1, margin=0.3):
+def _mammoth_past_constraint(outputs, past_end, present_end, eta, margin):
+    """The reference code's past logits constraint (Mammoth, models/xder.py) with past classes
+    ``0:past_end`` and present ones ``past_end:present_end``, written out."""
+    chead = F.softmax(outputs[:, :present_end], 1)
+    good_head, bad_head = chead[:, past_end:present_end], chead[:, :past_end]
+    loss_constr = bad_head.max(1)[0].detach() + margin - good_head.max(1)[0]
+    mask = loss_constr > 0
+    return eta * loss_constr[mask].mean() if mask.any() else torch.tensor(0.0)
+
+
+def _xder_loss(model, batch, memory, alpha=1.0, beta=1.0, eta=0.1, margin=0.3, past_term=True):
     """X-DER's loss after a first update of classes 0 and 1, written out: the new batch's
     cross-entropy over its own classes, alpha * MSE of the first memory batch's logits, beta *
-    the second memory batch's cross-entropy over the past classes 0 and 1, and eta * the mean
-    positive margin of the future classes' largest logit over the own classes' largest."""
+    the second memory batch's cross-entropy over the past classes 0 and 1, eta * the mean
+    positive margin of the future classes' largest logit over the own classes' largest, and
+    (``past_term``, the batch showing both 2 and 3) the reference's past constraint."""
     (inputs, targets), ((inputs_1, _), meta_1), ((inputs_2, targets_2), _) = batch, *memory
     present = torch.zeros(CLASSES, dtype=torch.bool)
     present[targets.unique()] = True
@@ -93,7 +104,8 @@ def _xder_loss(model, batch, memory, alpha=1.0, beta=1.0, eta=0.1, margin=0.3):
         ]
     )
     constraint = eta * margins[margins > 0].mean() if (margins > 0).any() else 0.0
-    return stream + der + derpp + constraint
+    past_constraint = _mammoth_past_constraint(outputs, 2, 4, eta, margin) if past_term else 0.0
+    return stream + der + derpp + constraint + past_constraint
 
 
 def _first_update(**options):
@@ -124,6 +136,60 @@ def test_an_update_is_a_bare_hand_written_xder_step(options):
     expected = parameters_of(by_hand)
     for name, value in parameters_of(model).items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("past_constraint", [True, False])
+def test_the_past_constraint_is_the_reference_term(past_constraint):
+    """X-DER's loss with and without the past constraint differs by the reference code's term
+    (a margin of softmax probabilities over the past and present classes, the past side
+    detached), here large enough to be positive for every sample (margin 1.0)."""
+    options = {"constraint_margin": 1.0, "past_constraint": past_constraint}
+    model, learner = _first_update(**options)
+    start = copy.deepcopy(model)
+    second = _data([2, 3, 3, 2, 3, 2, 2, 3], seed=1)
+    memory = _next_memory_batches(learner)
+    losses = []
+    learner.trainer.connect("batch_end", lambda loss: losses.append(loss.detach().item()))
+    learner.fit(second)
+    by_hand = copy.deepcopy(start)
+    loss = _xder_loss(by_hand, second.tensors, memory, margin=1.0, past_term=past_constraint)
+    loss.backward()
+    with torch.no_grad():
+        for parameter in by_hand.parameters():
+            parameter -= 0.1 * parameter.grad
+    assert losses == pytest.approx([loss.item()], rel=1e-5)
+    expected = parameters_of(by_hand)
+    for name, value in parameters_of(model).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        term = _mammoth_past_constraint(start(second.tensors[0]), 2, 4, 0.1, 1.0)
+    assert term.item() > 0.05  # the term is there to be missed
+
+
+def test_the_past_constraint_needs_past_classes():
+    """In the first update (no past class) the past constraint adds nothing."""
+    losses = {True: [], False: []}
+    for past_constraint, found in losses.items():
+        learner = _learner(_model(), past_constraint=past_constraint)
+        learner.trainer.connect("batch_end", _recorder(found))
+        learner.fit(_data([0, 1] * 4, seed=0))
+    assert losses[True] == losses[False] and len(losses[True]) == 1
+
+
+def test_without_present_classes_the_past_constraint_adds_nothing():
+    """With mask_unused_classes=False the step notes no present class: the past constraint
+    adds nothing (and no NaN) in the second update."""
+    losses = {True: [], False: []}
+    for past_constraint, found in losses.items():
+        _, learner = _first_update(mask_unused_classes=False, past_constraint=past_constraint)
+        learner.trainer.connect("batch_end", _recorder(found))
+        learner.fit(_data([2, 3] * 4, seed=1))
+    assert losses[True] == losses[False] and torch.isfinite(torch.tensor(losses[True])).all()
+
+
+def _recorder(found):
+    """A batch_end listener appending each step's loss to ``found``."""
+    return lambda loss: found.append(loss.item())
 
 
 def test_a_step_updates_the_stored_future_logits_of_the_replayed_samples():
@@ -229,6 +295,7 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
     assert "Boschini" in spec.summary and "TPAMI 2022" in spec.summary
     schema = hyperparameters("xder")
     assert schema["alpha"].default == 1.0 and schema["logit_update_gamma"].default == 0.85
+    assert schema["past_constraint"].default is True
     assert schema["buffer_filling"].default == "end"
     assert schema["loss_normalization"].default is False
     updater = ModelUpdater(
