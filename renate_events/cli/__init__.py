@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from renate_events.cli._errors import UsageError, command_line_message, one_line
 from renate_events.cli._parser import COMMAND_FUNCTIONS, parse
 from renate_events.config import ConfigError
+from renate_events.learners import TransformError
 from renate_events.memory.mapped import MappedFileError
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
@@ -47,6 +48,7 @@ _EXPECTED = (
     NonFiniteLossError,
     ConfigError,
     UpdateInputError,
+    TransformError,
     ShiftDetectionError,
     SearchSpaceError,
 )
@@ -66,8 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _EXPECTED as exc:
         print(f"renate-events: error: {command_line_message(exc)}", file=sys.stderr)
         return 2
-    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk
-        if not isinstance(exc.__cause__, MappedFileError):
+    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk;
+        # a transform breaking its contract on a later batch (buffer filling, herding)
+        if not isinstance(exc.__cause__, (MappedFileError, TransformError)):
             raise
         print(f"renate-events: error: {one_line(exc.__cause__)}", file=sys.stderr)
         return 2

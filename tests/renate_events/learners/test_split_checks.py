@@ -222,3 +222,47 @@ def test_model_updater_blames_a_broken_train_transform_not_the_model(transform, 
     assert len(text.splitlines()) == 1
     assert_same_tensors(parameters_of(updater.learner_instance.model), weights)
     assert updater.learner_instance.buffer.num_seen == 0
+
+
+BROKEN_LATER = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model_fn():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def data_fn(chunk_id, seed):
+    generator = torch.Generator().manual_seed(100 * chunk_id + seed)
+    inputs = torch.randint(0, 255, (40, 8), dtype=torch.uint8, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, 4, (40,), generator=generator))
+
+
+def _scaled(x):
+    return x.float() / 255
+
+
+def train_transform():
+    return _scaled
+
+
+def test_transform():
+    return _scaled
+
+
+def buffer_transform():
+    # right on the probe's single sample, wrong on a memory batch
+    return lambda x: _scaled(x)[:1]
+"""
+
+
+def test_cli_a_transform_broken_on_a_later_batch_is_one_line_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "my_config.py"
+    config.write_text(BROKEN_LATER)
+    out = tmp_path / "state"
+    argv = ["update", "--config-file", str(config), "--epochs", "1", "--device", "cpu"]
+    argv += ["--no-progress", "--output-state", str(out), "--learner", "er"]
+    argv += ["--batch-size", "8", "--memory-batch-size", "4", "--memory-size", "16"]
+    one_line_cli_error(capsys, argv, "buffer_transform", "batch size 4", "(1, 8)")
+    assert not out.exists()
