@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -77,3 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("renate-events: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output went away (`| head`): no traceback
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's last flush of what
+    could not be written raises nothing more (Python's advice for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output)
+        pass
