@@ -79,26 +79,19 @@ def sample_signature(inputs: Any, targets: Any) -> dict[str, Any]:
 
 
 def pair_as_dataset(value: Any, name: str) -> Any:
-    """An ``(inputs, targets)`` pair of tensors or NumPy arrays (as a config file's ``data_fn``
-    may return) as a ``TensorDataset``, a list of ``(x, y)`` samples as a map-style dataset;
-    anything else as it is."""
+    """An ``(inputs, targets)`` pair of tensors as a ``TensorDataset``, a list of ``(x, y)``
+    samples as a map-style dataset; anything else as it is."""
     value = as_dataset(value)
     if not (isinstance(value, (tuple, list)) and len(value) == 2):
         return value
-    if not all(_is_array(part) for part in value):
+    if not all(isinstance(part, torch.Tensor) for part in value):
         return value
-    value = [torch.as_tensor(part) for part in value]  # arrays shared, not copied
     if value[0].dim() == 0 or len(value[0]) != len(value[1]):
         raise UpdateInputError(
             f"ModelUpdater.update: {name} as (inputs, targets) needs one target per input, got "
             f"shapes {tuple(value[0].shape)} and {tuple(value[1].shape)}"
         )
     return TensorDataset(*value)
-
-
-def _is_array(value: Any) -> bool:
-    """A tensor, or a NumPy array (found by its array interface: NumPy is not imported)."""
-    return isinstance(value, torch.Tensor) or hasattr(value, "__array_interface__")
 
 
 def check_splits_of_update(

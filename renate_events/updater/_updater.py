@@ -307,10 +307,6 @@ class ModelUpdater:
     ) -> FitResult:
         """Train on one new chunk of data and, if configured, write the output state folder.
 
-        Each split is a dataset of ``(inputs, target)`` samples, a list of such samples, or an
-        ``(inputs, targets)`` pair of tensors or NumPy arrays (as a config file's ``data_fn``
-        may return).
-
         Before training, every split and transform is checked against the model and earlier
         updates' samples, the metric against what the update reports, the output folder against
         what may be written. With ``metric``, the model ends with its best validation's weights.

@@ -130,15 +130,6 @@ def test_model_updater_takes_a_list_of_samples():
     assert result.steps == 13
 
 
-def test_model_updater_takes_a_pair_of_numpy_arrays_like_a_config_file():
-    data = _floats(100)
-    x, y = data.tensors
-    updater = _updater()
-    result = updater.update((x.numpy(), y.numpy()), (x[:8].numpy(), y[:8].numpy()))
-    assert result.steps == 13
-    assert updater.learner_instance.buffer.num_seen == 100
-
-
 def test_model_updater_refuses_validation_labels_out_of_range_before_anything_changes():
     updater = _updater()
     val = _floats(8, 1)
