@@ -102,6 +102,9 @@ def _own_frame(path: str, exc: BaseException) -> str:
         return ""
     frame = frames[-1]
     code = f": {frame.line.strip()}" if frame.line else ""
+    end = getattr(frame, "end_lineno", None)
+    if code and end is not None and frame.lineno is not None and end > frame.lineno:
+        code += " ..."  # a statement over several lines: its first line only, said so
     return f" ({os.path.basename(path)}, line {frame.lineno}{code})"
 
 

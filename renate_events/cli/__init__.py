@@ -24,12 +24,14 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 from renate_events.cli._errors import UsageError, command_line_message, one_line
 from renate_events.cli._parser import COMMAND_FUNCTIONS, parse
 from renate_events.config import ConfigError
+from renate_events.learners import TransformError
 from renate_events.memory.mapped import MappedFileError
 from renate_events.search import SearchSpaceError
 from renate_events.shift import ShiftDetectionError
@@ -47,6 +49,7 @@ _EXPECTED = (
     NonFiniteLossError,
     ConfigError,
     UpdateInputError,
+    TransformError,
     ShiftDetectionError,
     SearchSpaceError,
 )
@@ -66,11 +69,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _EXPECTED as exc:
         print(f"renate-events: error: {command_line_message(exc)}", file=sys.stderr)
         return 2
-    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk
-        if not isinstance(exc.__cause__, MappedFileError):
+    except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk;
+        # a transform breaking its contract on a later batch (buffer filling, herding)
+        if not isinstance(exc.__cause__, (MappedFileError, TransformError)):
             raise
         print(f"renate-events: error: {one_line(exc.__cause__)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("renate-events: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output went away (`| head`): no traceback
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's last flush of what
+    could not be written raises nothing more (Python's advice for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output)
+        pass

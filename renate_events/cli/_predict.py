@@ -35,6 +35,8 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
     """``renate-events predict``: the labels (and class probabilities) a state folder's model
     gives to ``--data``'s inputs or to a config file's chunk."""
     options = check_options(PredictOptions, values)
+    if options.probabilities and options.output is None:  # it would be ignored
+        raise UsageError("--probabilities needs --output P.npz or P.csv: the file they go to")
     _check_output(options.output)  # before anything is computed
     if options.config_file is not None:
         model, classifier, inputs = _config_inputs(options)

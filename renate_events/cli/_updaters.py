@@ -22,7 +22,7 @@ from renate_events.models import build_model
 from renate_events.settings import COMMANDS, check_device, setting
 from renate_events.state_folder import StateFolderError, read_manifest
 from renate_events.state_folder.manifest import CHECKPOINT
-from renate_events.updater import ModelUpdater, UpdateInputError
+from renate_events.updater import ModelUpdater, UpdateInputError, check_kept_settings
 from trainer.capture import graph_device_problem
 from trainer.checkpoint import read_checkpoint
 
@@ -263,9 +263,11 @@ def config_updater(
     every check runs before training); ``trains`` false for one that only reads the state."""
     model = config.model()
     learner, buffer, learner_kwargs = learner_settings(overrides, hyper, manifest)
+    folder = kwargs.get("input_state_folder")
     if manifest is None:
         feature_modules(learner, learner_kwargs, model)
-    folder = kwargs.get("input_state_folder")
+    else:
+        check_kept_settings(folder, manifest, learner, buffer, learner_kwargs)
     try:
         updater = ModelUpdater.from_config(
             config,
@@ -308,6 +310,7 @@ def updater_from_folder(
     spec = model_spec(folder, manifest)
     overrides = overrides or {}
     learner, buffer, learner_kwargs = learner_settings(overrides, hyper or {}, manifest)
+    check_kept_settings(folder, manifest, learner, buffer, learner_kwargs)
     if spec["kind"] == "mlp":
         model = mlp(spec["inputs"], spec["hidden"], spec["classes"])
     else:

@@ -32,7 +32,12 @@ from renate_events.learners.split_checks import (
     check_split,
     check_splits,
 )
-from renate_events.learners.step import ReplayOnlyForMemoryLosses, ReplayStep
+from renate_events.learners.step import (
+    ReplayOnlyForMemoryLosses,
+    ReplayStep,
+    TransformError,
+    TransformTypeError,
+)
 from renate_events.learners.undo import FailedUpdateUndo, buffer_copy
 
 __all__ = [
@@ -46,6 +51,8 @@ __all__ = [
     "ReplayOnlyForMemoryLosses",
     "ReplayStep",
     "SampleList",
+    "TransformError",
+    "TransformTypeError",
     "as_dataset",
     "buffer_copy",
     "buffer_loader",

@@ -193,9 +193,9 @@ class DataChecks:
         self.model.eval()
         try:
             with torch.no_grad():
-                probe = inputs[:1].to(model_device(self.model))
+                probe = inputs[:2].to(model_device(self.model))
                 with rng_kept(probe):
-                    probe = self._transformed("train_transform", probe, 1)
+                    probe = self.probe_transform("train_transform", probe)
                 try:
                     classes = self._probe_classes(probe, task_ids)
                 except ValueError:
@@ -323,6 +323,15 @@ class DataChecks:
             if isinstance(inputs, torch.Tensor):
                 self._transformed("buffer_transform", inputs[:1], 1)
             self._transformed("buffer_target_transform", targets[:1], 1)
+
+    def probe_transform(self, name: str, batch: torch.Tensor) -> Any:
+        """The first sample of ``batch`` through the transform ``name``, its contract (a tensor of
+        the batch's rows) checked on that sample and on the first two: a transform that returns a
+        fixed number of rows (``x[:1]``) keeps a batch of one. Returns the one-sample result."""
+        first = self._transformed(name, batch[:1], 1)
+        if len(batch) > 1:
+            self._transformed(name, batch[:2], 2)
+        return first
 
     def _check_first_batch(
         self,

@@ -150,18 +150,21 @@ def _first_batch(learner: Any, data: Any, split: str) -> tuple[Any, Any, Any] | 
 def _try_transform(
     learner: Any, name: str, inputs: Any, task_ids: Any, split: str, accepted: Any
 ) -> tuple[Any, torch.Tensor | None]:
-    """The first sample of ``inputs`` through the transform ``name`` (its contract checked),
+    """The first sample of ``inputs`` through the transform ``name`` (its contract checked on
+    one sample and on two),
     then the model unless ``accepted`` is None or the signature the model already took:
     ``(signature, the model's outputs)`` (None for what was not run)."""
     if not isinstance(inputs, torch.Tensor):
         return None, None
     model = learner.model
     device = model_device(model)
-    batch = to_device(inputs[:1], device)
+    # The buffer transform is tried on one sample: its rows are checked on every memory batch
+    # (tests pin that it never sees more than one sample outside replay).
+    batch = to_device(inputs[: 1 if name == "buffer_transform" else 2], device)
     ids = None if task_ids is None else to_device(task_ids[:1], device)
     with inference(model), rng_kept(batch):
         try:
-            batch = learner._transformed(name, batch, 1)
+            batch = learner.probe_transform(name, batch)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"the {split} data: {exc}") from None
         signature = (batch.dtype, tuple(batch.shape[1:]))

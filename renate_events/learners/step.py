@@ -20,7 +20,16 @@ from trainer import validators
 from trainer.capture import eager
 from trainer.data import to_device
 
-__all__ = ["ReplayOnlyForMemoryLosses", "ReplayStep"]
+__all__ = ["ReplayOnlyForMemoryLosses", "ReplayStep", "TransformError", "TransformTypeError"]
+
+
+class TransformError(ValueError):
+    """A batch transform broke its contract (a tensor with the batch's rows), on the probe before
+    training or on a later batch: the update is undone; one line on the command line."""
+
+
+class TransformTypeError(TransformError, validators.WrongTypeError):
+    """A batch transform returned something other than a tensor."""
 
 
 def _mean(loss: torch.Tensor) -> torch.Tensor:
@@ -241,12 +250,12 @@ class ReplayStep:
         """``transform(value)``, eager (its random draws are the eager step's)."""
         result = transform(value)
         if not isinstance(result, torch.Tensor):
-            raise validators.WrongTypeError(
+            raise TransformTypeError(
                 f"`{type(self).__name__}.{name}` must return a tensor, got "
                 f"{type(result).__name__} (from {transform!r})"
             )
         if result.dim() == 0 or result.shape[0] != rows:
-            raise ValueError(
+            raise TransformError(
                 f"`{type(self).__name__}.{name}` must keep the batch size {rows}, got shape "
                 f"{tuple(result.shape)} (from {transform!r})"
             )

@@ -64,9 +64,9 @@ class GDumbLearner(JointLearner):
         self.model.eval()
         try:
             with torch.no_grad():
-                probe = tensors[0][:1].to(model_device(self.model))
+                probe = tensors[0][:2].to(model_device(self.model))
                 with rng_kept(probe):  # the model's input, as in training
-                    probe = self._transformed("train_transform", probe, 1)
+                    probe = self.probe_transform("train_transform", probe)
                 classes = self._forward(probe).shape[-1]
         finally:
             self.model.train(was_training)

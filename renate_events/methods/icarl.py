@@ -389,8 +389,8 @@ class ICaRLLearner(BaseExperienceReplayLearner):
             return
 
         with inference(self.model):
-            probe = tensors[0][:1].to(model_device(self.model))
-            classes = self._forward(self._transformed("test_transform", probe, 1)).shape[-1]
+            probe = tensors[0][:2].to(model_device(self.model))
+            classes = self._forward(self.probe_transform("test_transform", probe)).shape[-1]
         if self.memory_size < classes:
             raise ValueError(
                 f"`{type(self).__name__}.memory_size` must be at least the model's number of "

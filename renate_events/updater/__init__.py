@@ -26,6 +26,7 @@ from renate_events.state_folder import (
 from renate_events.updater._config_file import check_config_file
 from renate_events.updater._errors import MidUpdateCheckpointError, UpdateInputError
 from renate_events.updater._probes import dataset_tensors
+from renate_events.updater._records import check_kept_settings
 from renate_events.updater._updater import ModelUpdater
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "StateFolderOverwriteError",
     "UpdateInputError",
     "check_config_file",
+    "check_kept_settings",
     "dataset_tensors",
     "default_buffer",
     "read_manifest",

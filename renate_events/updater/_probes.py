@@ -242,13 +242,33 @@ class InputProbe:
         finally:
             model.train(was_training)
 
+    def _transform_probe(self, batch: Any, what: str) -> Any:
+        """``batch`` through ``train_transform``, its contract checked (a tensor of the batch's
+        rows), so that a broken transform is named as such, not blamed on the model."""
+        transform = self.transforms.get("train_transform")
+        if transform is None:
+            return batch
+        shown = _tensor_text(batch)
+        try:
+            result = transform(batch)
+        except Exception as exc:
+            raise UpdateInputError(
+                f"{what}: train_transform fails on its first samples ({shown}): "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())}{self._frame(exc)}"
+            ) from None
+        if not isinstance(batch, torch.Tensor):
+            return result  # other inputs (a collate_fn's): the model's probe says the rest
+        if not isinstance(result, torch.Tensor) or result.dim() == 0 or len(result) != len(batch):
+            raise UpdateInputError(
+                f"{what}: train_transform must return a tensor of the batch's {len(batch)} rows "
+                f"(given {shown}), got {_tensor_text(result)}"
+            )
+        return result
+
     def _forward_probe(self, model: nn.Module, inputs: Any, what: str) -> torch.Tensor:
         transform = self.transforms.get("train_transform")
-        device = model_device(model)
+        batch = self._transform_probe(to_device(inputs, model_device(model)), what)
         try:
-            batch = to_device(inputs, device)
-            if transform is not None:
-                batch = transform(batch)
             return forward(model, batch)
         except Exception as exc:
             shape = _shown(sample_signature(inputs, None))

@@ -24,11 +24,14 @@ __all__ = [
     "UpdateFunctions",
     "architecture_of",
     "check_compatible",
+    "check_kept_settings",
     "configuration_differences",
     "describe",
+    "kept_settings_differences",
     "manifest_now",
     "model_signature",
     "optimizer_record",
+    "refuse_differences",
     "update_record",
     "updater_config",
     "with_update",
@@ -227,6 +230,28 @@ def model_signature(model: nn.Module) -> dict[str, list[Any]]:
     }
 
 
+def kept_settings_differences(
+    manifest: Mapping[str, Any], learner: str, buffer: str, learner_kwargs: Mapping[str, Any]
+) -> list[str]:
+    """What differs between a folder's learner, buffer and the learner arguments that shape the
+    stored state (:data:`STRUCTURAL`) and an update's: a later update keeps them; a message for
+    each."""
+    mine = {"learner": learner, "buffer": buffer}
+    differences = [
+        f"{key}: the folder has {manifest[key]!r}, this updater {mine[key]!r}"
+        for key in ("learner", "buffer")
+        if manifest[key] != mine[key]
+    ]
+    for key in STRUCTURAL:
+        saved = manifest["learner_kwargs"].get(key)
+        live = learner_kwargs.get(key)
+        if saved != live:
+            differences.append(
+                f"learner_kwargs[{key!r}]: the folder has {saved!r}, this updater {live!r}"
+            )
+    return differences
+
+
 def configuration_differences(
     manifest: Mapping[str, Any],
     mine: Mapping[str, Any],
@@ -236,11 +261,9 @@ def configuration_differences(
     """What differs between a folder's configuration (its ``manifest``) and an updater's
     (``mine``: learner, buffer, optimizer record and model signature) that the folder's state
     cannot follow; a message for each."""
-    differences = [
-        f"{key}: the folder has {manifest[key]!r}, this updater {mine[key]!r}"
-        for key in ("learner", "buffer")
-        if manifest[key] != mine[key]
-    ]
+    differences = kept_settings_differences(
+        manifest, mine["learner"], mine["buffer"], learner_kwargs
+    )
     saved_optimizer, live_optimizer = manifest["optimizer"], mine["optimizer"]
     if saved_optimizer.get("name", "adam") != live_optimizer.get("name", "adam") and not (
         "function" in saved_optimizer or "function" in live_optimizer
@@ -249,13 +272,6 @@ def configuration_differences(
             f"optimizer: the folder has {saved_optimizer.get('name', 'adam')!r}, this "
             f"updater {live_optimizer.get('name', 'adam')!r} (its options may change)"
         )
-    for key in STRUCTURAL:
-        saved = manifest["learner_kwargs"].get(key)
-        live = learner_kwargs.get(key)
-        if saved != live:
-            differences.append(
-                f"learner_kwargs[{key!r}]: the folder has {saved!r}, this updater {live!r}"
-            )
     saved_storage = manifest.get("buffer_storage", "memory")
     if saved_storage != buffer_storage:
         differences.append(
@@ -292,6 +308,29 @@ def updater_config(updater: Any) -> dict[str, Any]:
     }
 
 
+def refuse_differences(folder: Any, differences: list[str]) -> None:
+    """A :class:`~renate_events.state_folder.StateFolderError` listing ``differences`` between
+    ``folder``'s configuration and an update's, if there are any."""
+    if differences:
+        raise StateFolderError(
+            f"the state folder {folder} was written by a different configuration: "
+            + "; ".join(differences)
+        )
+
+
+def check_kept_settings(
+    folder: Any,
+    manifest: Mapping[str, Any],
+    learner: str,
+    buffer: str,
+    learner_kwargs: Mapping[str, Any],
+) -> None:
+    """A later update of ``folder`` keeps its learner, buffer and memory size (they shape the
+    stored state): checked before the learner is built, so that a change is said as such rather
+    than as the new learner refusing the old buffer or memory size."""
+    refuse_differences(folder, kept_settings_differences(manifest, learner, buffer, learner_kwargs))
+
+
 def check_compatible(updater: Any, manifest: Mapping[str, Any]) -> None:
     """The input folder's ``manifest`` was written by ``updater``'s configuration (a
     :class:`~renate_events.updater.ModelUpdater`) and config file (unless it accepts a change);
@@ -299,10 +338,6 @@ def check_compatible(updater: Any, manifest: Mapping[str, Any]) -> None:
     differences = configuration_differences(
         manifest, updater_config(updater), updater.learner_kwargs, updater.buffer_storage
     )
-    if differences:
-        raise StateFolderError(
-            f"the state folder {updater.input_state_folder} was written by a different "
-            "configuration: " + "; ".join(differences)
-        )
+    refuse_differences(updater.input_state_folder, differences)
     if updater.config_file is not None and not updater.accept_config_change:
         check_config_file(updater.input_state_folder, manifest["config"], updater.config_file)

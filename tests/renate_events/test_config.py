@@ -188,6 +188,13 @@ def test_an_exception_inside_a_function_names_the_config_line(tmp_path):
         config.loss()
 
 
+def test_a_statement_over_several_lines_is_shown_as_such(tmp_path):
+    body = 'def loss_fn():\n    raise ValueError(\n        "no loss here"\n    )\n'
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, body).loss()
+    assert "line 7: raise ValueError( ...)" in str(info.value), info.value
+
+
 @pytest.mark.parametrize(
     ("body", "call", "message"),
     [

@@ -59,3 +59,19 @@ def test_a_missing_or_damaged_folder_is_one_line(state, tmp_path, capsys, damage
     assert main(["info", "--state", str(folder)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+
+
+def test_output_into_a_closed_pipe_is_no_traceback(state):
+    """``renate-events info --state S --json | head -c 10``: the reader leaves early."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "renate_events.cli", "info", "--state", str(state), "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process.stdout.close()  # the reader is gone before the command writes (it starts first)
+    err = process.stderr.read().decode()
+    assert process.wait() == 1 and "Traceback" not in err, err

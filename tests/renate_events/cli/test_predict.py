@@ -114,6 +114,13 @@ def test_bad_inputs_are_one_line_and_write_nothing(state, data, tmp_path, capsys
     assert "--chunk-id needs --config-file" in err
 
 
+def test_probabilities_without_an_output_file_are_refused_not_ignored(
+    state, data, tmp_path, capsys
+):
+    err = _bad(tmp_path, capsys, "--state", str(state), "--data", str(data[0]), "--probabilities")
+    assert "--probabilities needs --output" in err
+
+
 CONFIG = """
 import torch
 from torch.utils.data import TensorDataset

@@ -178,3 +178,91 @@ def test_model_updater_names_the_missing_test_transform_of_uint8_images():
         updater.update(_images(), _images(8, 1))
     assert_same_tensors(parameters_of(updater.learner_instance.model), weights)
     assert updater.learner_instance.buffer.num_seen == 0
+
+
+def _first_row(x: torch.Tensor) -> torch.Tensor:
+    """A broken transform: one row whatever the batch (it keeps a batch of one sample)."""
+    return scaled(x)[:1]
+
+
+@pytest.mark.parametrize("name", ["train_transform", "test_transform"])
+def test_a_transform_returning_one_row_of_any_batch_is_refused_before_training(name):
+    transforms = {"train_transform": scaled, "buffer_transform": scaled, "test_transform": scaled}
+    transforms[name] = _first_row
+    learner = _learner(**transforms)
+    with pytest.raises(ValueError, match=rf"{name}.*batch size 2"):
+        learner.fit(_images(), _images(8, 1))
+    assert learner.buffer.num_seen == 0 and learner.trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("transform", "words"),
+    [
+        (lambda x: x.float().numpy(), ("train_transform", "must return a tensor", "ndarray")),
+        (lambda x: None, ("train_transform", "must return a tensor", "NoneType")),
+        (lambda x: scaled(x)[:1], ("train_transform", "2 rows", "(1, 8)")),
+        (lambda x: x.no_such_method(), ("train_transform fails", "AttributeError")),
+    ],
+)
+def test_model_updater_blames_a_broken_train_transform_not_the_model(transform, words):
+    updater = _updater(
+        transforms={
+            "train_transform": transform,
+            "buffer_transform": scaled,
+            "test_transform": scaled,
+        }
+    )
+    weights = parameters_of(updater.learner_instance.model)
+    with pytest.raises(UpdateInputError) as info:
+        updater.update(_images(), _images(8, 1))
+    text = str(info.value)
+    assert "first layer" not in text and "model does not accept" not in text, text
+    for word in words:
+        assert word in text, text
+    assert len(text.splitlines()) == 1
+    assert_same_tensors(parameters_of(updater.learner_instance.model), weights)
+    assert updater.learner_instance.buffer.num_seen == 0
+
+
+BROKEN_LATER = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model_fn():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def data_fn(chunk_id, seed):
+    generator = torch.Generator().manual_seed(100 * chunk_id + seed)
+    inputs = torch.randint(0, 255, (40, 8), dtype=torch.uint8, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, 4, (40,), generator=generator))
+
+
+def _scaled(x):
+    return x.float() / 255
+
+
+def train_transform():
+    return _scaled
+
+
+def test_transform():
+    return _scaled
+
+
+def buffer_transform():
+    # right on the probe's single sample, wrong on a memory batch
+    return lambda x: _scaled(x)[:1]
+"""
+
+
+def test_cli_a_transform_broken_on_a_later_batch_is_one_line_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "my_config.py"
+    config.write_text(BROKEN_LATER)
+    out = tmp_path / "state"
+    argv = ["update", "--config-file", str(config), "--epochs", "1", "--device", "cpu"]
+    argv += ["--no-progress", "--output-state", str(out), "--learner", "er"]
+    argv += ["--batch-size", "8", "--memory-batch-size", "4", "--memory-size", "16"]
+    one_line_cli_error(capsys, argv, "buffer_transform", "batch size 4", "(1, 8)")
+    assert not out.exists()
