@@ -14,20 +14,24 @@ Three modes (:data:`CAPTURE_MODES`):
   ``Trainer`` is made (an explicit CPU device, or ``"auto"`` on a machine without CUDA) and at
   the start of a fit (the device a distributed fit resolves).
 
-In both captured modes the optimizer step, gradient clipping, the non-finite-loss check and the
-listeners run eagerly between the steps, exactly as without capture: no event fires between a
-step's forward and its optimizer step, so no listener has to be refused. What cannot go into a
-graph (a ``.item()``, Python state written by the step, a function marked
-``torch.compiler.disable``) splits the step into several graphs with eager code between them
-(a "graph break"): slower, never wrong. ``TORCH_LOGS=graph_breaks`` lists them.
+In both captured modes the optimizer step is compiled too (:class:`CompiledOptimizerStep`:
+eager at a fit's first step, the learning rate as a tensor); gradient clipping, a GradScaler,
+the non-finite-loss check and the listeners run eagerly between the steps, exactly as without
+capture: no event fires between a step's forward and its optimizer step, so no listener has to
+be refused (one that reads the loss on the host is one sync a step, as without capture).
+
+A captured step is traced with graph breaks refused: Python state written by the step and
+other host work go in functions marked :func:`eager` (each call one allowed graph break);
+any other graph break (a ``.item()``, a shape that depends on the data, a ``print``) raises
+:class:`CaptureError` while the step is traced, before that part runs and before the step's
+optimizer step. ``TORCH_LOGS=graph_breaks`` lists the allowed ones.
 
 Shapes: a graph is specialised to the shapes it saw. A batch of another shape (the last partial
-batch of an epoch, a memory batch while the buffer holds fewer samples than ``memory_batch_size``,
-the logits of a model that gained a task head) compiles (``"graph"``: records) one more graph
-for it the first time it comes and reuses it after; a parameter added to the model fails
-torch.compile's guards and recompiles too. Nothing is silently reused for a shape it was not
-made for. ``torch._dynamo.config.recompile_limit`` (8 by default) bounds the variants per step
-function; beyond it that function runs eagerly.
+batch of an epoch, a memory batch while the buffer holds fewer samples than ``memory_batch_size``)
+compiles (``"graph"``: records) one more graph for it the first time it comes and reuses it
+after; a parameter added to the model fails torch.compile's guards and recompiles too. Nothing
+is silently reused for a shape it was not made for. ``torch._dynamo.config.recompile_limit`` (8
+by default) bounds the variants per step function; beyond it that function runs eagerly.
 
 An error of ``torch.compile`` while it captures the step is raised as :class:`CaptureError`,
 naming the step and the eager fallback.
@@ -36,6 +40,7 @@ naming the step and the eager fallback.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
@@ -46,17 +51,27 @@ from trainer.exceptions import CaptureError
 
 __all__ = [
     "CAPTURE_MODES",
+    "CompiledOptimizerStep",
     "capture_mode",
     "capture_steps",
     "check_capture_device",
     "eager",
     "graph_device_problem",
+    "keep_in_step",
+    "optimizer_stepper",
 ]
 
 CAPTURE_MODES = ("off", "compile", "graph")
 """The values of ``Trainer.capture``."""
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+# torch.compile's per-region "error on graph break" switch (torch 2.9 and later): a captured
+# step is traced with it on (a graph break is an error, raised while tracing, before the traced
+# code runs), the library's own eager parts with it off.
+_SWITCH = getattr(torch._dynamo, "error_on_graph_break", None)
+_ALLOW_BREAKS = None if _SWITCH is None else _SWITCH(False)
+_REFUSE_BREAKS = None if _SWITCH is None else _SWITCH(True)
 
 
 def eager(function: _F) -> _F:
@@ -66,14 +81,35 @@ def eager(function: _F) -> _F:
     objects (their validating ``__setattr__`` sends ``torch.compile`` into endless recursion,
     ``InternalTorchDynamoError: RecursionError``), draws from CPU generators and random
     transforms (a compiled graph would draw other numbers than the eager step), pinned copies
-    and the checks of an update's first step. Each call is a graph break. Outside compilation
-    it is the function behind ``torch.compiler.disable``'s wrapper (a few microseconds per call;
-    a wrapper of our own that skipped it would itself be traced and recompiled by dynamo).
+    and the checks of an update's first step. Each call is a graph break, the one kind a
+    captured step allows (any other is refused, see :func:`capture_steps`). Outside compilation
+    it costs a few microseconds per call (two wrappers: ``torch.compiler.disable``'s and the
+    switch that allows its graph break; a wrapper of our own that skipped them would itself be
+    traced and recompiled by dynamo).
     """
-    return cast(_F, torch.compiler.disable(function))
+    disabled = torch.compiler.disable(function)
+    if _ALLOW_BREAKS is None:  # a torch without the switch: every graph break is allowed
+        return cast(_F, disabled)
+
+    @_ALLOW_BREAKS
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs)
+
+    return cast(_F, call)
 
 
-_FALLBACK = "run it eagerly with capture='off' (--capture off on the command line)"
+def keep_in_step(instance: Any, name: str, value: Any) -> None:
+    """Set the attribute ``name`` of ``instance`` (an attrs object) to ``value`` in a way a
+    captured step can trace: past attrs' validating ``__setattr__`` (which sends dynamo into
+    endless recursion). For an attribute without a validator or converter, where that is the
+    same as a plain assignment, written in a part of the step that cannot be :func:`eager`
+    (an eager call inside a loop makes dynamo give up the whole step: "graph break in loop").
+    """
+    object.__setattr__(instance, name, value)
+
+
+_FALLBACK = "run it eagerly with capture='off'"  # the command line shows it as its flag
 
 
 def capture_mode(trainer: Any) -> str:
@@ -118,17 +154,129 @@ def capture_steps(
     step: Callable[[Any], Any],
     val_step: Callable[[Any], Any],
 ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """``step`` and ``val_step`` as a fit in ``mode`` runs them (as they are for ``"off"``)."""
+    """``step`` and ``val_step`` as a fit in ``mode`` runs them (as they are for ``"off"``).
+
+    A captured step is traced with graph breaks refused, except in the library's own
+    :func:`eager` parts: a graph break anywhere else (an output shape that depends on the
+    data, a host read such as ``.item()`` or ``.tolist()``, a ``print``, a call dynamo cannot
+    trace) raises :class:`CaptureError` while the step is traced, before that part runs.
+    """
     if mode == "off":
         return step, val_step
-    if mode == "compile":
-        compiled = torch.compile(step), torch.compile(val_step)
-    else:
-        compiled = (
-            torch.compile(step, mode="reduce-overhead"),
-            torch.compile(val_step, mode="reduce-overhead"),
-        )
+    # Dynamo logs a warning for the graph break of `.item()` before the strict trace turns it
+    # into an error: the CaptureError says it all (and a command line prints one line).
+    logging.getLogger("torch._dynamo.variables.tensor").setLevel(logging.ERROR)
+    options: dict[str, Any] = {} if mode == "compile" else {"mode": "reduce-overhead"}
+    compiled = [torch.compile(_strict(function), **options) for function in (step, val_step)]
     return _guarded(mode, step, compiled[0]), _guarded(mode, val_step, compiled[1])
+
+
+def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``function`` traced with graph breaks refused (where torch has the switch)."""
+    return (
+        function if _REFUSE_BREAKS is None else functools.wraps(function)(_REFUSE_BREAKS(function))
+    )
+
+
+def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+    """What a fit in ``mode`` calls as ``stepper(first=...)`` for an optimizer step (``first``:
+    the fit's first): ``optimizer.step()`` for ``"off"``, else a :class:`CompiledOptimizerStep`."""
+    if mode != "off":
+        return CompiledOptimizerStep(optimizer)
+
+    def step(first: bool) -> None:
+        optimizer.step()
+
+    return step
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """The function a :class:`CompiledOptimizerStep` compiles (one code object, whose cache
+    each new instance clears)."""
+    optimizer.step()
+
+
+class CompiledOptimizerStep:
+    """``optimizer.step()`` under ``torch.compile`` (default mode, also for ``"graph"``): the
+    update of every parameter as a few fused kernels instead of a loop of small ones.
+
+    * The first optimizer step of a fit runs eagerly (the caller says which one it is, so that
+      a resumed fit steps as the uninterrupted one did): it makes the optimizer's state
+      (momentum buffers, Adam's moments), which the compiled step then finds in place.
+    * The learning rate goes into the compiled step as a tensor (a 0-dimensional CPU tensor per
+      parameter group, filled with the group's ``lr`` before each call and the float put back
+      after): a scheduler changing it causes no recompilation, and the optimizer's
+      ``param_groups`` and ``state_dict`` keep their floats.
+    * Any other hyperparameter (momentum, betas, weight decay, the groups and their sizes) is
+      compiled in as a constant: when one changes during the fit (a ``OneCycleLR`` cycling
+      momentum, a group added), the step warns once and runs eagerly for the rest of the fit.
+    * Each new instance (each fit) drops the compiled steps of earlier optimizers, so that the
+      fits of a long run do not pile up towards dynamo's recompile limit.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
+        self.eager = False
+        self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
+        reset_code = getattr(torch._dynamo, "reset_code", None)
+        if reset_code is not None:
+            reset_code(_optimizer_step.__code__)
+        self.compiled = torch.compile(_optimizer_step)
+
+    def __call__(self, first: bool) -> None:
+        """One optimizer step; ``first``: the fit's first (run eagerly)."""
+        optimizer = self.optimizer
+        if first:
+            optimizer.step()
+            return
+        settings = _settings(optimizer)
+        if self.settings is None:
+            self.settings = settings
+        elif not self.eager and settings != self.settings:
+            self.eager = True
+            warnings.warn(
+                f"capture: a hyperparameter of {type(optimizer).__name__} other than the "
+                "learning rate changed during the fit (a scheduler cycling momentum, a "
+                "parameter group added?); its step runs eagerly from here on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if self.eager:
+            optimizer.step()
+        else:
+            self._compiled_step(optimizer)
+
+    def _compiled_step(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = optimizer.param_groups
+        floats = [group["lr"] for group in groups]
+        for group, holder, lr in zip(groups, self.lrs, floats):
+            if not isinstance(lr, torch.Tensor):  # an optimizer made with a tensor lr keeps it
+                holder.fill_(lr)
+                group["lr"] = holder
+        try:
+            self.compiled(optimizer)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            raise CaptureError(_capture_failure("compile", _optimizer_step, exc)) from exc
+        finally:
+            for group, lr in zip(groups, floats):
+                group["lr"] = lr
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> list[tuple[Any, ...]]:
+    """Per parameter group, its size and every hyperparameter but the learning rate (tensor
+    values left out: the compiled step reads those, it does not assume them)."""
+    return [
+        (
+            len(group["params"]),
+            *(
+                (key, value)
+                for key, value in group.items()
+                if key not in ("params", "lr") and not isinstance(value, torch.Tensor)
+            ),
+        )
+        for group in optimizer.param_groups
+    ]
 
 
 def _name(function: Callable[[Any], Any]) -> str:
@@ -153,11 +301,7 @@ def _guarded(
                 torch.compiler.cudagraph_mark_step_begin()
             result = compiled(batch)
         except torch._dynamo.exc.TorchDynamoException as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CaptureError(
-                f"capture={mode!r}: torch.compile could not capture the step "
-                f"{_name(original)}: {type(exc).__name__}: {first}; {_FALLBACK}"
-            ) from exc
+            raise CaptureError(_capture_failure(mode, original, exc)) from exc
         if not graph:
             return result
         if not warned and _cudagraph_skips() > skips:
@@ -173,6 +317,33 @@ def _guarded(
         return _copied(result)
 
     return run
+
+
+def _capture_failure(
+    mode: str, original: Callable[[Any], Any], exc: torch._dynamo.exc.TorchDynamoException
+) -> str:
+    """The message of a step that ``torch.compile`` could not capture: what broke the capture,
+    where (the innermost frame of the user's code dynamo names) and the eager fallback."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    what = getattr(exc, "gb_type", None)  # a refused graph break: its kind and explanation
+    if what is None:
+        return (
+            f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
+            f"{type(exc).__name__}: {lines[0] if lines else ''}; {_FALLBACK}"
+        )
+    explanation = next(
+        (line.removeprefix("Explanation: ") for line in lines if line.startswith("Explanation:")),
+        "",
+    )
+    frame = getattr(exc, "innermost_user_frame_summary", None)
+    where = "" if frame is None else f" at {frame.filename}:{frame.lineno} in {frame.name}"
+    return (
+        f"capture={mode!r}: the step {_name(original)} cannot be captured: {what}"
+        f"{' (' + explanation + ')' if explanation else ''}{where}; a captured step must not "
+        "read values back to the host (.item(), .tolist(), print, Python control flow on a "
+        "tensor) or make shapes that depend on the data: move that out of the step, or "
+        f"{_FALLBACK}"
+    )
 
 
 def _cudagraph_skips() -> int:

@@ -21,7 +21,12 @@ import torch
 
 from trainer import _runtime
 from trainer import validators as _v
-from trainer.capture import capture_mode, capture_steps, check_capture_device
+from trainer.capture import (
+    capture_mode,
+    capture_steps,
+    check_capture_device,
+    optimizer_stepper,
+)
 from trainer.data import to_device
 from trainer.distributed import DistributedContext
 from trainer.events import Events
@@ -78,6 +83,7 @@ class Run:
         "epochs",
         "last_loss",
         "move",
+        "optimizer_step",
         "payload",
         "restore_tf32",
         "scheduler",
@@ -107,6 +113,7 @@ class Run:
         self.check_loss = check_loss
         self.distributed = False  # these four are set by start_run
         self.move: Callable[[Any], Any] = _identity  # set by start_run for the device
+        self.optimizer_step: Callable[..., None] = _identity  # set by start_run
         self.autocast: Callable[[], Any] = contextlib.nullcontext
         self.payload: dict[str, Any] = {}  # set by the trainer once the run started
         self.epochs = 0
@@ -197,6 +204,7 @@ def start_run(
     run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
     run.move = functools.partial(to_device, device=device, channels_last=trainer.channels_last)
     run.autocast = _runtime.autocast_factory(trainer.precision, device)
+    run.optimizer_step = optimizer_stepper(capture_mode(trainer), optimizer)
     run.distributed = ctx.enabled
     max_epochs = trainer.max_epochs if trainer.max_epochs or trainer.max_steps else 1
     trainer.state = TrainState(max_epochs=max_epochs, max_steps=trainer.max_steps)

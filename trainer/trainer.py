@@ -266,7 +266,7 @@ class Trainer(ListenerAPI):
         if done == 0:
             raise ValueError("train_loader yielded no batches; give it data or check its sampler")
         if state.accumulated:  # an iterable without len() ended mid-window
-            self._optimizer_step(run.step_scheduler)
+            self._optimizer_step(run)
         # Epoch end: a full epoch steps an epoch-interval scheduler first. A checkpoint written
         # from here on resumes at the next epoch (after this one's validation).
         validate = run.val_loader is not None and (epoch + 1) % self.check_val_every_n_epoch == 0
@@ -295,7 +295,7 @@ class Trainer(ListenerAPI):
         last = last or (limit is not None and state.global_step + 1 >= limit)
         # >=: a mid-window checkpoint may be resumed with a smaller accumulate_grad_batches
         if state.accumulated and (state.accumulated >= self.accumulate_grad_batches or last):
-            self._optimizer_step(run.step_scheduler)
+            self._optimizer_step(run)
         state.global_step += 1
         state.resume_at = (state.epoch, batch_idx + 1)
         # Batch end: parameters are updated, the loss is still on the device.
@@ -369,7 +369,7 @@ class Trainer(ListenerAPI):
             self.dist.average_gradients(self.training_model, self.optimizer)  # type: ignore[arg-type]
         state.accumulated += 1
 
-    def _optimizer_step(self, scheduler: Any) -> None:
+    def _optimizer_step(self, run: Run) -> None:
         optimizer: torch.optim.Optimizer = self.optimizer  # type: ignore[assignment]
         scaler = self.grad_scaler
         if self.gradient_clip_val is not None:
@@ -383,13 +383,13 @@ class Trainer(ListenerAPI):
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
-        else:
-            optimizer.step()
+        else:  # optimizer.step(), or compiled under capture (eager at the fit's first step)
+            run.optimizer_step(first=self.state.optimizer_steps == 0)
         optimizer.zero_grad(set_to_none=True)
         self.state.accumulated = 0
         self.state.optimizer_steps += 1
-        if scheduler is not None:
-            scheduler.step()
+        if run.step_scheduler is not None:
+            run.step_scheduler.step()
 
     def _validate(self, run: Run) -> dict[str, float]:
         """One validation pass in eval mode, isolated from the training RNG stream."""

@@ -38,7 +38,7 @@ from renate_events.shift import ShiftDetectionError
 from renate_events.state_folder import StateFolderError
 from renate_events.updater import UpdateInputError
 from trainer import CheckpointError, NonFiniteLossError
-from trainer.exceptions import ListenerError
+from trainer.exceptions import CaptureError, ListenerError
 
 __all__ = ["UsageError", "main"]
 
@@ -47,6 +47,7 @@ _EXPECTED = (
     StateFolderError,
     CheckpointError,
     NonFiniteLossError,
+    CaptureError,
     ConfigError,
     UpdateInputError,
     TransformError,

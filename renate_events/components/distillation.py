@@ -13,7 +13,7 @@ from torch import nn
 from renate_events.components.component import Component, call_model
 from renate_events.components.features import copy_without_hooks
 from trainer import validators as v
-from trainer.capture import eager
+from trainer.capture import keep_in_step
 
 __all__ = ["OldModelDistillation"]
 
@@ -66,7 +66,6 @@ class OldModelDistillation(Component):
         with torch.no_grad():
             return call_model(cast(nn.Module, self._old_model), inputs)
 
-    @eager  # writes the component's state: eager under a compiled step
     def _note_classes(self, targets: torch.Tensor, classes: int) -> None:
         seen = self._seen
         if seen is None or seen.numel() != classes or seen.device != targets.device:
@@ -74,7 +73,7 @@ class OldModelDistillation(Component):
             if seen is not None:
                 grown[: min(classes, seen.numel())] = seen[:classes].to(targets.device)
             seen = grown
-        self._seen = seen.index_fill(0, targets.reshape(-1).long(), True)
+        keep_in_step(self, "_seen", seen.index_fill(0, targets.reshape(-1).long(), True))
 
     def on_save_checkpoint(self, checkpoint: MutableMapping[str, Any]) -> None:
         checkpoint["updates"] = self._updates

@@ -15,7 +15,10 @@ from renate_events.inference import inference, model_device
 from renate_events.learners.checks import model_refused, output_classes
 from renate_events.learners.seeding import rng_kept
 from renate_events.memory import BufferDataset
+from renate_events.models import MultiHeadClassificationModel
+from trainer.capture import capture_mode
 from trainer.data import to_device
+from trainer.exceptions import CaptureError
 
 __all__ = [
     "SampleList",
@@ -67,6 +70,24 @@ def check_splits(learner: Any, train_data: Any, val_data: Any) -> None:
         check_split(learner, val_data, "validation")
 
 
+def check_capturable_heads(learner: Any) -> None:
+    """Refuse a captured step (``Trainer(capture=...)``) for a multi-head model trained on data
+    with task ids: which heads a batch needs depends on the data (the model's per-sample call
+    picks them with ``torch.unique``), so the step cannot be one graph; raised before training.
+
+    Raises:
+        CaptureError: The trainer captures its steps and the model is a
+            :class:`~renate_events.models.MultiHeadClassificationModel`.
+    """
+    mode = capture_mode(learner.trainer)
+    if mode != "off" and isinstance(learner.model, MultiHeadClassificationModel):
+        raise CaptureError(
+            f"capture={mode!r} cannot capture the steps of a MultiHeadClassificationModel "
+            "trained on data with task ids: the heads a batch needs depend on its task ids "
+            "(data-dependent, picked with torch.unique); train it with capture='off'"
+        )
+
+
 def check_split(learner: Any, data: Any, split: str) -> None:
     """One split against the model: its first sample through the split's transform
     (``train_transform`` or ``test_transform``) and, for training data replayed from a buffer,
@@ -85,6 +106,8 @@ def check_split(learner: Any, data: Any, split: str) -> None:
     if batch is None:
         return
     inputs, targets, task_ids = batch
+    if task_ids is not None:
+        check_capturable_heads(learner)
     if split == "training":
         # check_data has run the model on a train_transform'ed sample of a TensorDataset of
         # class labels: the buffer transform's output needs a forward only if it differs.

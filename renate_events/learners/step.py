@@ -149,7 +149,10 @@ class ReplayStep:
         outputs, features = passes.outputs, passes.features
         logits = outputs
         if self.mask_unused_classes:
-            logits = outputs.masked_fill(~self._seen(targets, outputs.shape[-1]), float("-inf"))
+            # the mask first: `outputs.masked_fill` looked up before the eager `_seen` call
+            # would be a bound method that dynamo cannot carry over the graph break
+            seen = self._seen(targets, outputs.shape[-1])
+            logits = outputs.masked_fill(~seen, float("-inf"))
         self._check_first_batch(raw_inputs, raw_targets, outputs, features, task_ids=task_ids)
         loss = _scaled(_mean(self.loss_fn(logits, targets)), self.loss_weight)
         if replay:

@@ -15,6 +15,7 @@ from renate_events.components import Component, OldModelDistillation
 from renate_events.learners import BaseExperienceReplayLearner, ReplayOnlyForMemoryLosses
 from renate_events.methods.registry import MethodSpec, register
 from trainer import validators as v
+from trainer.capture import keep_in_step
 
 __all__ = [
     "SPEC",
@@ -94,7 +95,8 @@ class LearningWithoutForgettingComponent(OldModelDistillation):
         old_outputs = self._old_outputs(inputs)
         classes = self._old_classes if labels else None
         if classes is not None and classes.device != outputs.device:
-            classes = self._old_classes = classes.to(outputs.device)
+            classes = classes.to(outputs.device)
+            keep_in_step(self, "_old_classes", classes)
         loss = distillation_loss(outputs, old_outputs, self.temperature, classes)
         return loss if self.alpha == 1 else loss * self.alpha
 

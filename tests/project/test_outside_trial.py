@@ -107,6 +107,13 @@ CONFIGS = {
     + _UINT8
     + "\n\ndef train_transform():\n    return lambda x: x.float() / 255\n",
     "train_rows.py": BASE + "\n\ndef train_transform():\n    return lambda x: x[:0]\n",
+    "host_read.py": BASE.replace(
+        "def model_fn():",
+        "class Gate(torch.nn.Module):\n"
+        "    def forward(self, x):  # reads a value back to the host: cannot be captured\n"
+        "        return x if float(x.abs().max()) < 1e9 else x * 0\n\n\n"
+        "def model_fn():",
+    ).replace("Linear(16, 4))", "Linear(16, 4), Gate())"),
     "bad_loss.py": BASE
     + "\n\ndef loss_fn():\n    return lambda outputs, targets: outputs.sum(dim=5)\n",
 }
@@ -207,6 +214,10 @@ CLI_CASES = [
     (_config_run("syntax.py"), ["syntax.py", "line"]),
     (_config_run("renate_names.py"), ["data_module_fn", "data_fn"]),
     (_config_run("outputs_3d.py"), ["outputs have the shape (1, 4, 1)", "Flatten"]),
+    (
+        _config_run("host_read.py", "--capture", "compile"),
+        ["cannot be captured", "host_read.py", "in forward", "--capture off"],
+    ),
     (_config_run("test_nan.py"), ["chunk 0", "test inputs hold NaN"]),
     (_config_run("test_label.py"), ["chunk 0", "test labels range over [0, 9]"]),
     (_config_run("test_negative.py"), ["test labels range over [-1, 3]"]),

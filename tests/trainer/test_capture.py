@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 import warnings
 
 import attrs
@@ -14,7 +15,13 @@ import torch
 
 from tests.helpers import classification_step, make_data, make_loader, make_model
 from trainer import CaptureError, Trainer
-from trainer.capture import CAPTURE_MODES, capture_mode, capture_steps
+from trainer.capture import (
+    CAPTURE_MODES,
+    CompiledOptimizerStep,
+    capture_mode,
+    capture_steps,
+    eager,
+)
 
 
 @pytest.fixture
@@ -130,6 +137,77 @@ def test_a_step_torch_compile_cannot_capture_is_a_capture_error_naming_the_fallb
         )
 
 
+def _host_read(model, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    if loss.item() > 1e6:  # Python control flow on a tensor's value
+        loss = loss * 0
+    return loss
+
+
+def _data_dependent_shape(model, x, y):
+    outputs = model(x)
+    confident = outputs[outputs.amax(dim=1) > 0]  # as many rows as the data says
+    return torch.nn.functional.cross_entropy(outputs, y) + 0 * confident.sum()
+
+
+def _printing(model, x, y):
+    print("step")
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.usefixtures("aot_eager")
+@pytest.mark.parametrize(
+    ("loss", "reason"),
+    [
+        (_host_read, r"Tensor\.item\(\)"),
+        (_data_dependent_shape, r"Dynamic shape operator|Data dependent operator"),
+        (_printing, r"print"),
+    ],
+)
+def test_a_graph_break_in_the_step_is_refused_before_any_optimizer_step(loss, reason):
+    model = make_model(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(batch):
+        return loss(model, *batch)
+
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    with pytest.raises(CaptureError) as error:
+        trainer.fit(model, optimizer, make_loader(make_data()), step)
+    message = str(error.value)
+    assert "\n" not in message
+    assert re.search(reason, message), message
+    assert f"{__file__}:" in message and loss.__name__ in message  # where it broke
+    assert "capture='off'" in message  # the eager fallback
+    assert trainer.state.optimizer_steps == 0 and not optimizer.state
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_the_eager_parts_of_a_step_and_a_listener_reading_the_loss_are_allowed():
+    """A function marked :func:`eager` is a graph break a captured step allows; a listener
+    reading the loss at every ``batch_end`` (``_Losses``: one host sync a step) runs between
+    the steps, outside the graph."""
+    model = make_model(seed=0)
+    calls = collections.Counter()
+
+    @eager
+    def note(batch):
+        calls["note"] += 1  # Python state written by the step
+
+    def step(batch):
+        note(batch)
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    losses = _Losses()
+    trainer.subscribe(losses)
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader(make_data()), step)
+    assert calls["note"] == len(losses.values) > 0
+
+
 def test_graph_copies_the_outputs_out_of_the_graph_memory(monkeypatch):
     """Under ``"graph"`` each call marks a new CUDA-graph step and clones what it returns
     (the next replay would overwrite it); the clone still back-propagates."""
@@ -185,3 +263,91 @@ def test_captured_losses_on_cuda_are_the_eager_ones(capture):
     eager = _fit_losses("off", "cuda")
     captured = _fit_losses(capture, "cuda")
     assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def _twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    model = make_model(seed=0)
+    twin = make_model(seed=0)
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def _train(model, optimizer, stepper, scheduler=None, steps=6):
+    """``steps`` optimizer steps on fixed batches, through ``stepper`` (None: eagerly)."""
+    x, y = make_data(n=16).tensors
+    for index in range(steps):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if stepper is None:
+            optimizer.step()
+        else:
+            stepper(first=index == 0)
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+@pytest.mark.usefixtures("aot_eager")
+@pytest.mark.parametrize(
+    "make",
+    [
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        functools.partial(torch.optim.Adam, lr=0.01),
+        functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1),
+    ],
+)
+def test_a_compiled_optimizer_step_moves_the_parameters_as_the_eager_one(make):
+    """The first step eagerly (it makes the state), the rest compiled; the learning rate of a
+    per-step scheduler goes in as a tensor: no recompilation, the floats stay in the groups."""
+    model, twin = _twin_models()
+    eager, compiled = make(model.parameters()), make(twin.parameters())
+    stepper = CompiledOptimizerStep(compiled)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (eager, compiled)
+    ]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _train(model, eager, None, schedulers[0])
+    _train(twin, compiled, stepper, schedulers[1])
+    assert counters["stats"]["unique_graphs"] == 1  # five compiled steps, four learning rates
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(type(group["lr"]) is float for group in compiled.param_groups)
+    assert compiled.state_dict()["param_groups"][0]["lr"] == eager.param_groups[0]["lr"]
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_a_hyperparameter_changing_in_the_fit_makes_the_optimizer_step_eager_with_a_warning():
+    model, twin = _twin_models()
+    make = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    eager, compiled = make(model.parameters()), make(twin.parameters())
+    schedulers = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)
+        for o in (eager, compiled)
+    ]  # cycles the momentum at every step
+    stepper = CompiledOptimizerStep(compiled)
+    _train(model, eager, None, schedulers[0])
+    with pytest.warns(RuntimeWarning, match="other than the learning rate changed") as warned:
+        _train(twin, compiled, stepper, schedulers[1])
+    assert len(warned) == 1 and stepper.eager
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_a_captured_fit_compiles_its_optimizer_step_and_keeps_the_eager_one_first():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    calls = collections.Counter()
+    original = CompiledOptimizerStep.__call__
+
+    def counted(self, first):
+        calls[first] += 1
+        original(self, first=first)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompiledOptimizerStep, "__call__", counted)
+        result = trainer.fit(
+            model, optimizer, make_loader(make_data(n=32), batch_size=8), classification_step(model)
+        )
+    assert calls == {True: 1, False: result.optimizer_steps - 1}

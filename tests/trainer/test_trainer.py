@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -356,4 +358,6 @@ def test_compile_step_wraps_the_steps_in_torch_compile(monkeypatch):
     Trainer(max_epochs=1, device="cpu", compile_step=True).fit(
         model, torch.optim.SGD(model.parameters(), lr=0.1), loader, step, val_loader=loader
     )
-    assert compiled[0] is step and len(compiled) == 2
+    # step and val_step (traced with graph breaks refused), then the optimizer step
+    assert inspect.unwrap(compiled[0]) is step and len(compiled) == 3
+    assert compiled[2].__name__ == "_optimizer_step"
