@@ -359,7 +359,8 @@ def _on_training_device(plan: _Seed) -> list[Any]:
     """The seed's model on the device it trains on (from the start: the untrained model's
     accuracy is taken there, as every later one) and its tasks with their test sets kept where
     they are evaluated, on that GPU or pinned, for the whole run (the anytime accuracy's too)."""
-    device = place_model(plan.updater.learner_instance.trainer, plan.updater.model)
+    learner = plan.updater.learner_instance
+    device = place_model(learner.trainer, learner.model)
     tasks = resident_tests(plan.tasks, device)
     if plan.anytime is not None:
         plan.anytime.tasks = tasks
