@@ -8,21 +8,23 @@ start-up counts::
     renate-events run --scenario seq-cifar10 --data-dir DIR --epochs 1 --device cuda
         --output-dir TMP --no-progress [--tf32 --channels-last ... (--run-args)]
 
-The child process times its phases (``Trainer.fit`` and its validation, ``evaluate`` and the
-predictions of the flip rates, the heatmap) with ``torch.cuda.synchronize()`` at each boundary
-and the parent prints the shares of the whole wall time: interpreter start, imports of
-``renate_events.cli``, building (the options, the data, the scenario, model and updater, and the
-first update's checks, until the first fit or evaluation starts), training steps, validation,
-evaluation, the heatmap (matplotlib, whose first use in a fresh environment builds its font
-cache) and the rest (the later updates' checks and undo snapshots, the state folders, the result
-files). Target on a GPU: evaluation and start-up (interpreter, imports, building) under 15% of
-the run.
+The child process times its phases (``Trainer.fit`` and its validation, ``evaluate`` of the
+untrained model and ``evaluate_row`` after each update, the heatmap) with
+``torch.cuda.synchronize()`` at each boundary and the parent prints the shares of the whole wall
+time: interpreter start, imports of ``renate_events.cli``, building (the options, the data, the
+scenario, model and updater, and the first update's checks, until the first fit or evaluation
+starts), training steps, validation, evaluation, the heatmap (matplotlib, whose first use in a fresh
+environment builds its font cache) and the rest (the later updates' checks and undo snapshots, the
+state folders, the result files). Target on a GPU: evaluation and start-up (interpreter, imports,
+building) under 15% of the run.
 
 ``--cpu-dry-run`` runs a tiny data set (8 training and 2 test images per class, a ResNet-18 of
 width 4) on the CPU, in one thread, in well under a minute; its shares mean nothing.
 
 ``gpu_check.py`` calls :func:`section`; run alone:
-``python benchmarks/gpu_run_timing.py [--per-class 5000] [--run-args "--tf32"] [--cpu-dry-run]``.
+``python benchmarks/gpu_run_timing.py [--per-class 5000] [--test-per-class 1000]
+[--run-args "--tf32"] [--cpu-dry-run]`` (a CPU run with ``--per-class 100 --test-per-class 200``
+gives shares worth comparing between two versions of the library on one machine).
 This module imports nothing heavy at its top: the child starts its clock before it imports torch.
 """
 
@@ -92,7 +94,7 @@ def child(out: str, cli_args: list[str]) -> int:
     import torch
 
     from renate_events import evaluation
-    from renate_events.cli import _results, _run
+    from renate_events.cli import _results
     from trainer import Trainer
 
     def sync() -> None:
@@ -103,7 +105,7 @@ def child(out: str, cli_args: list[str]) -> int:
     Trainer.fit = _timed(spans, "fit", Trainer.fit, sync)  # type: ignore[method-assign]
     Trainer._validate = _timed(spans, "validation", Trainer._validate, sync)  # type: ignore
     evaluation.evaluate = _timed(spans, "evaluation", evaluation.evaluate, sync)
-    _run._predictions = _timed(spans, "evaluation", _run._predictions, sync)
+    evaluation.evaluate_row = _timed(spans, "evaluation", evaluation.evaluate_row, sync)
     _results.heatmap = _timed(spans, "heatmap", _results.heatmap, sync)
     code = cli.main(cli_args)
     ended = time.perf_counter()
@@ -135,7 +137,7 @@ def shares(record: dict[str, float], wall: float) -> dict[str, float]:
         "building (until the first fit or evaluation)": record["building"],
         "training steps (Trainer.fit)": record["fit"] - record["validation"],
         "validation (in fit)": record["validation"],
-        "evaluation (evaluate, predictions)": record["evaluation"],
+        "evaluation (evaluate, evaluate_row)": record["evaluation"],
         "heatmap (matplotlib)": record["heatmap"],
     }
     phases["rest (checks, snapshots, state folders, files)"] = wall - sum(phases.values())
@@ -174,7 +176,7 @@ def print_shares(title: str, wall: float, phases: dict[str, float], gpu: bool) -
     for name, seconds in phases.items():
         print(f"  {name:{width}s}  {seconds:7.1f} s  {seconds / wall:6.1%}")
     start = sum(v for k, v in phases.items() if k.startswith(("interpreter", "imports", "build")))
-    overhead = (start + phases["evaluation (evaluate, predictions)"]) / wall
+    overhead = (start + phases["evaluation (evaluate, evaluate_row)"]) / wall
     verdict = ("meets" if overhead < TARGET else "MISSES") if gpu else "not a GPU: no verdict"
     print(
         f"  evaluation + start-up: {overhead:.1%} of the run (target on a GPU: < {TARGET:.0%}; "
@@ -182,12 +184,17 @@ def print_shares(title: str, wall: float, phases: dict[str, float], gpu: bool) -
     )
 
 
-def section(device: Any, per_class: int | None = None, run_args: list[str] | None = None) -> None:
+def section(
+    device: Any,
+    per_class: int | None = None,
+    run_args: list[str] | None = None,
+    test_per_class: int | None = None,
+) -> None:
     """Generate the data, time one run on ``device`` (a ``torch.device`` or a name), print."""
     kind = getattr(device, "type", str(device))
     dry = kind != "cuda"
     per_class = per_class or (DRY_RUN["per_class"] if dry else 5000)
-    test_per_class = DRY_RUN["test_per_class"] if dry else 1000
+    test_per_class = test_per_class or (DRY_RUN["test_per_class"] if dry else 1000)
     run_args = list(run_args or (DRY_RUN["run_args"] if dry else []))
     with tempfile.TemporaryDirectory() as folder:
         write_cifar10(folder, per_class, test_per_class)
@@ -206,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(argv[1], argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-class", type=int, help="training images per class (5000)")
+    parser.add_argument("--test-per-class", type=int, help="test images per class (1000)")
     parser.add_argument("--run-args", default="", help="more options of run, e.g. '--tf32'")
     parser.add_argument("--cpu-dry-run", action="store_true", help="without CUDA: tiny, on CPU")
     args = parser.parse_args(argv)
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     run_args = shlex.split(args.run_args) or None
     if device == "cpu" and run_args is not None:
         run_args = [*DRY_RUN["run_args"], *run_args]
-    section(device, args.per_class, run_args)
+    section(device, args.per_class, run_args, args.test_per_class)
     return 0
 
 

@@ -133,9 +133,10 @@ class AnytimeAccuracy:
 
     def _evaluate(self, model: nn.Module) -> None:
         seen = self.tasks[: self._seen]
-        accuracies = evaluation.evaluate(
-            self.model if self.model is not None else model, seen, mode="class-incremental"
-        )
+        target = self.model if self.model is not None else model
+        # one pass, one read of the device for all the tasks seen (evaluate reads once per task)
+        row = evaluation.evaluate_row(target, seen, modes=["class-incremental"])
+        accuracies = row.accuracies["class-incremental"]
         sizes = [len(task.test) for task in seen]
         accuracy = sum(a * n for a, n in zip(accuracies, sizes)) / sum(sizes)
         self.curve.append(

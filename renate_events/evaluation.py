@@ -4,7 +4,9 @@ After every model update ``i`` the model is evaluated on the test set of every t
 tasks it has not trained on yet), which fills row ``i`` of the accuracy matrix ``R``:
 ``R[i][j]`` is the accuracy on task ``j`` after update ``i``, both counted from 0. ``T`` is the
 number of tasks; a complete matrix is ``T x T``. Optionally ``b[j]`` is the accuracy of the model
-before any update (needed for forward transfer).
+before any update (needed for forward transfer). :func:`evaluate` gives a row in one mode,
+:func:`evaluate_row` the rows of both modes (and the predictions for the flip rates) from one pass
+over the test sets; both live in :mod:`renate_events.accuracy`, the forward passes' module.
 
 Metrics (functions of ``R``):
 
@@ -41,22 +43,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from renate_events.inference import (
-    EVAL_BATCH_SIZE,
-    forward,
-    inference,
-    model_device,
-    pinned,
-    takes_task_id,
-)
+from renate_events.accuracy import evaluate, evaluate_row, evaluation_batches, evaluation_device
+from renate_events.inference import EVAL_BATCH_SIZE, forward, inference
 from trainer import validators
 from trainer.data import to_device
 
@@ -65,6 +60,7 @@ __all__ = [
     "average_accuracy",
     "backward_transfer",
     "evaluate",
+    "evaluate_row",
     "forgetting",
     "forward_transfer",
     "inference",
@@ -73,190 +69,7 @@ __all__ = [
     "regression_metrics",
 ]
 
-Mode = Literal["class-incremental", "task-incremental"]
-_MODES = ("class-incremental", "task-incremental")
 MatrixLike = Any  # AccuracyMatrix or a sequence of rows (sequences of floats)
-
-
-# --------------------------------------------------------------------------------------------
-# evaluate
-# --------------------------------------------------------------------------------------------
-
-
-def evaluate(
-    model: nn.Module,
-    tasks: Sequence[Any],
-    *,
-    mode: Mode = "class-incremental",
-    batch_size: int = EVAL_BATCH_SIZE,
-    device: str | torch.device | None = None,
-) -> list[float]:
-    """Accuracy of ``model`` on the test set of each task.
-
-    The model runs in eval mode under ``torch.inference_mode()`` (``torch.no_grad()`` while it
-    has lazy parameters to create); afterwards every submodule gets back the train/eval mode it
-    had. Test data held on the CPU is pinned once and copied to a GPU without waiting; correct
-    predictions are counted on the device, so there is one synchronisation (``.item()``) per
-    task, whatever the number of batches.
-
-    * ``"class-incremental"``: the prediction is the argmax over all logits.
-    * ``"task-incremental"``: the task is known at test time; logits of classes outside
-      ``task.classes`` are set to ``-inf`` before the argmax. Never lower than class-incremental.
-      A model whose forward takes a ``task_id`` (a
-      :class:`~renate_events.models.MultiHeadClassificationModel`, Renate's ``RenateModule``) is
-      called as ``model(x, task_id=task.task_id)``: each test sample goes through the head of
-      its task, whose logits are then masked to ``task.classes`` as above (a head of one output
-      per class of the task, with labels ``0..k-1``, has nothing masked).
-
-    Args:
-        model: Maps a batch of inputs to logits ``(batch, num_classes)``; called as ``model(x)``,
-            ``model(*x)`` for tuple inputs (a ``TensorDataset`` with more than two tensors: all
-            but the last) or ``model(**x)`` for dict inputs. Any classifier module returning a
-            score per class is evaluated the same way, e.g. iCaRL's nearest-mean-of-exemplars
-            classifier, ``evaluate(learner.nme_classifier(), tasks)``
-            (:meth:`renate_events.learners.ICaRLLearner.nme_classifier`).
-        tasks: :class:`~renate_events.scenarios.Task` objects (anything with ``test``, a dataset
-            of ``(inputs, target)``, and ``classes``).
-        mode: ``"class-incremental"`` or ``"task-incremental"``.
-        batch_size: Test samples per forward pass (large: nothing is kept for a backward pass).
-        device: Where to run; by default the device of the model's first parameter (CPU for a
-            model without parameters). The model itself is not moved.
-
-    Returns:
-        One accuracy in ``[0, 1]`` per task, in order.
-
-    Raises:
-        ValueError: Unknown ``mode``, bad ``batch_size``, an empty test set, logits that are not
-            ``(batch, num_classes)``, task classes outside the logits (task-incremental), or a
-            multi-head model without a head for a task (add one for every task before
-            evaluating: ``model.add_task_params(task.task_id)``).
-
-    Example:
-        >>> import torch
-        >>> from renate_events.scenarios import IIDScenario
-        >>> data = torch.utils.data.TensorDataset(torch.randn(40, 3), torch.arange(40) % 2)
-        >>> tasks = IIDScenario(data, num_tasks=2).tasks()
-        >>> len(evaluate(torch.nn.Linear(3, 2), tasks, mode="task-incremental"))
-        2
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"evaluate: model must be a torch.nn.Module, got {type(model).__name__}")
-    validators.check_one_of("evaluate: mode", mode, _MODES)
-    validators.check_int("evaluate: batch_size", batch_size, 1)
-    tasks = list(tasks)
-    for index, task in enumerate(tasks):
-        if not hasattr(task, "test") or not hasattr(task, "classes"):
-            raise TypeError(
-                f"evaluate: tasks[{index}] is a {type(task).__name__}; expected a Task (with "
-                "test and classes), such as the items of scenario.tasks()"
-            )
-    target_device = _device(model, device)
-    if mode == "task-incremental":
-        _check_heads(model, tasks)
-    with inference(model, outputs_leave_autograd=True):
-        return [
-            _accuracy(model, task, index, mode, batch_size, target_device)
-            for index, task in enumerate(tasks)
-        ]
-
-
-def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"evaluate: device must be a str or torch.device, got {device!r}")
-        return torch.device(device)
-    return model_device(model)
-
-
-def _accuracy(
-    model: nn.Module, task: Any, index: int, mode: str, batch_size: int, device: torch.device
-) -> float:
-    task_id = getattr(task, "task_id", index)
-    name = f"task {task_id}"
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    total = 0
-    allowed: torch.Tensor | None = None
-    # Task-incremental: through the task's own head, when the model takes a task id.
-    head = task_id if mode == "task-incremental" and takes_task_id(model) else None
-    for inputs, targets in _batches(task.test, batch_size, name, device):
-        targets = to_device(targets, device)
-        logits = forward(model, to_device(inputs, device), head)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(
-                f"evaluate ({name}): the model must return logits of shape (batch, num_classes), "
-                f"got {got}"
-            )
-        if logits.shape[0] != targets.shape[0]:
-            raise ValueError(
-                f"evaluate ({name}): the model returned {logits.shape[0]} rows of logits for a "
-                f"batch of {targets.shape[0]} samples"
-            )
-        if mode == "task-incremental":
-            if allowed is None:
-                allowed = _class_mask(task.classes, logits.shape[1], logits.device, name)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        correct += (logits.argmax(dim=1) == targets).sum()
-        total += targets.shape[0]
-    if total == 0:
-        raise ValueError(f"evaluate ({name}): the test set is empty; accuracy is undefined")
-    return correct.item() / total
-
-
-def _check_heads(model: nn.Module, tasks: Sequence[Any]) -> None:
-    """A multi-head model needs a head for every task it is evaluated on (task-incremental)."""
-    heads = getattr(model, "task_ids", None)
-    if not (takes_task_id(model) and isinstance(heads, tuple)):
-        return
-    ids = [getattr(task, "task_id", index) for index, task in enumerate(tasks)]
-    missing = [task_id for task_id in ids if task_id not in heads]
-    if missing:
-        raise ValueError(
-            f"evaluate: task-incremental evaluation runs each task's test set through its own "
-            f"head, but tasks {missing} have none (heads exist for {list(heads)}); add a head "
-            "for every task before evaluating, e.g. model.add_task_params(task.task_id) for "
-            "each task right after building the model"
-        )
-
-
-def _batches(
-    data: Any, batch_size: int, name: str, device: torch.device
-) -> Iterator[tuple[Any, torch.Tensor]]:
-    """``(inputs, targets)`` chunks of ``data``; for a GPU, from pinned memory (tensors pinned
-    once per call, a DataLoader's batches by the loader)."""
-    if isinstance(data, TensorDataset):
-        *inputs, targets = (pinned(tensor, device) for tensor in data.tensors)
-        if not inputs:
-            raise ValueError(f"evaluate ({name}): the test TensorDataset has no input tensor")
-        for start in range(0, len(targets), batch_size):
-            stop = start + batch_size
-            batch = [t[start:stop] for t in inputs]
-            yield (batch[0] if len(batch) == 1 else tuple(batch)), targets[start:stop]
-        return
-    loader = DataLoader(data, batch_size=batch_size, pin_memory=device.type == "cuda")
-    for batch in loader:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(
-                f"evaluate ({name}): test batches must be (inputs, targets) pairs, got "
-                f"{type(batch).__name__}"
-            )
-        yield batch[0], batch[1]
-
-
-def _class_mask(
-    classes: Sequence[int], num_logits: int, device: torch.device, name: str
-) -> torch.Tensor:
-    classes = list(classes)
-    outside = [c for c in classes if not 0 <= c < num_logits]
-    if not classes or outside:
-        raise ValueError(
-            f"evaluate ({name}): task-incremental evaluation needs the task's classes among the "
-            f"model's {num_logits} logits; classes {classes} (outside: {outside}). Give the model "
-            "one output per class id"
-        )
-    mask = torch.zeros(num_logits, dtype=torch.bool)
-    mask[classes] = True
-    return to_device(mask, device, pin=True)  # through pinned memory: the host does not wait
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,7 +529,7 @@ def regression_metrics(
 def _all_logits(model: nn.Module, data: Any, batch_size: int, device: torch.device) -> Any:
     """Logits of ``model`` on every sample of ``data`` and the targets, on ``device``."""
     outputs, labels = [], []
-    for inputs, targets in _batches(data, batch_size, "regression metrics", device):
+    for inputs, targets in evaluation_batches(data, batch_size, "regression metrics", device):
         logits = forward(model, to_device(inputs, device))
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -763,6 +576,7 @@ def model_regression_metrics(
         inference(old_model, outputs_leave_autograd=True),
         inference(new_model, outputs_leave_autograd=True),
     ):
-        old, _ = _all_logits(old_model, data, batch_size, _device(old_model, device))
-        new, targets = _all_logits(new_model, data, batch_size, _device(new_model, device))
+        old_device, new_device = (evaluation_device(m, device) for m in (old_model, new_model))
+        old, _ = _all_logits(old_model, data, batch_size, old_device)
+        new, targets = _all_logits(new_model, data, batch_size, new_device)
     return regression_metrics(old, new, targets)

@@ -44,6 +44,7 @@ __all__ = [
     "epoch_batches",
     "fit_result",
     "interrupted_result",
+    "place_model",
     "prepare_run",
     "restore_attachments",
     "start_run",
@@ -169,6 +170,21 @@ def prepare_run(
     )
 
 
+def place_model(trainer: Any, model: torch.nn.Module) -> torch.device:
+    """Put ``model`` where a fit of ``trainer`` trains it and return that device: the trainer's
+    ``device`` (``"auto"``: CUDA when available; on a distributed CUDA run, this process's GPU),
+    in the channels-last memory format with ``channels_last``. Each fit starts with it; code that
+    runs the model before the first fit (an evaluation of the untrained model) calls it first,
+    so that the model runs on the training device from the start."""
+    device = _runtime.resolve_device(trainer.dist.device_for(trainer.device))
+    if trainer.channels_last:
+        # the 4-dimensional weights (Module.to takes memory_format; its stubs do not say so)
+        model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
+    else:
+        model.to(device)
+    return device
+
+
 def start_run(
     trainer: Any,
     run: Run,
@@ -186,12 +202,7 @@ def start_run(
     and the run's device functions. A resumed fit keeps the gradients and RNG for its checkpoint.
     """
     ctx = trainer.dist
-    device = _runtime.resolve_device(ctx.device_for(trainer.device))
-    if trainer.channels_last:
-        # the 4-dimensional weights (Module.to takes memory_format; its stubs do not say so)
-        model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
-    else:
-        model.to(device)
+    device = place_model(trainer, model)
     trainer.attach(model, optimizer, scheduler)
     if trainer.precision != "16-mixed":
         trainer.grad_scaler = None

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import torch
 
+from renate_events.accuracy import resident_tests
 from renate_events.anytime import AnytimeAccuracy
 from renate_events.choices import default_buffer
 from renate_events.cli._errors import UsageError
@@ -57,13 +58,13 @@ from renate_events.cli._zoo import (
     zoo_spec_for_run,
 )
 from renate_events.config import ConfigFile
-from renate_events.inference import inference, outputs_in_batches
 from renate_events.methods import method, method_of
 from renate_events.models import build_model
 from renate_events.scenarios import IMAGE_SCENARIOS
 from renate_events.settings import setting
 from renate_events.updater import ModelUpdater
 from trainer.listeners import ExperimentTracker
+from trainer.run import place_model
 
 __all__ = ["run"]
 
@@ -324,7 +325,7 @@ def _train_seed(options: Any, plan: _Seed, tracker: ExperimentTracker | None) ->
     if tracker is not None:  # its run opens now, before this seed trains
         start_tracking(tracker, plan.updater, options, seed=plan.seed)
     torch.set_rng_state(plan.rng_state)  # as if this seed's model had just been built
-    model, tasks = plan.evaluated, plan.tasks
+    model, tasks = plan.evaluated, _on_training_device(plan)
     class_matrix, task_matrix = evaluation.AccuracyMatrix(), evaluation.AccuracyMatrix()
     class_matrix.baseline = evaluation.evaluate(model, tasks, mode="class-incremental")
     targets = torch.cat([task.test.tensors[-1] for task in tasks])
@@ -336,11 +337,13 @@ def _train_seed(options: Any, plan: _Seed, tracker: ExperimentTracker | None) ->
             plan.anytime.reach(index)
         plan.updater.update(task.train, getattr(task, "val", None), task_id=task.task_id)
         model = _run_classifier(plan)
-        class_matrix.append(evaluation.evaluate(model, tasks, mode="class-incremental"))
-        task_matrix.append(evaluation.evaluate(model, tasks, mode="task-incremental"))
+        # both rows and the predictions of the flip rates from one pass over the test sets
+        row = evaluation.evaluate_row(model, tasks, predictions=True)
+        class_matrix.append(row.accuracies["class-incremental"])
+        task_matrix.append(row.accuracies["task-incremental"])
         if tracker is not None:
             log_accuracies(tracker, class_matrix.rows, task_matrix.rows)
-        current = _predictions(model, tasks)
+        current = row.predictions
         if previous is not None:  # flips between consecutive model versions, on all test sets
             flips.append(evaluation.regression_metrics(previous, current, targets))
         previous = current
@@ -352,14 +355,16 @@ def _train_seed(options: Any, plan: _Seed, tracker: ExperimentTracker | None) ->
     return record
 
 
-def _predictions(model: torch.nn.Module, tasks: Sequence[Any]) -> torch.Tensor:
-    """The model's class-incremental predictions on every task's test set, one after another."""
-    predicted = []
-    with inference(model, outputs_leave_autograd=True):
-        for task in tasks:
-            for logits in outputs_in_batches(model, task.test.tensors[0]):
-                predicted.append(logits.argmax(dim=-1))
-    return torch.cat(predicted).cpu()  # one copy back (and sync), not one per batch
+def _on_training_device(plan: _Seed) -> list[Any]:
+    """The seed's model on the device it trains on (from the start: the untrained model's
+    accuracy is taken there, as every later one) and its tasks with their test sets kept where
+    they are evaluated, on that GPU or pinned, for the whole run (the anytime accuracy's too)."""
+    learner = plan.updater.learner_instance
+    device = place_model(learner.trainer, learner.model)
+    tasks = resident_tests(plan.tasks, device)
+    if plan.anytime is not None:
+        plan.anytime.tasks = tasks
+    return tasks
 
 
 def _run_classifier(plan: _Seed) -> torch.nn.Module:

@@ -180,6 +180,24 @@ def test_run_reports_flip_rates_consistent_with_the_accuracy_matrix(tmp_path):
     )
 
 
+def test_run_evaluates_each_update_in_one_pass_over_the_test_sets(tmp_path, monkeypatch):
+    from renate_events import evaluation
+
+    calls = []
+    for name in ("evaluate", "evaluate_row"):
+        original = getattr(evaluation, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(evaluation, name, spy)
+    args = ["run", "--epochs", "1", "--learner", "er", "--memory-size", "50", "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 0
+    # the untrained model (for forward transfer), then both rows and the flips of each update
+    assert calls == ["evaluate"] + ["evaluate_row"] * 5
+
+
 def _edit_checkpoint_tree(state: Any, edit: Any) -> None:
     """Rewrite ``state``'s learner.safetensors with ``edit(tree)`` applied, its checksums and the
     manifest's made to match (a hand-crafted folder that every checksum vouches for)."""

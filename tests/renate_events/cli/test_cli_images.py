@@ -76,6 +76,28 @@ def _images_file(path: pathlib.Path, inputs: torch.Tensor) -> pathlib.Path:
     return path
 
 
+@pytest.mark.gpu
+def test_a_run_on_a_gpu_evaluates_there_from_the_untrained_model_on(cifar10, tmp_path, monkeypatch):
+    from renate_events import evaluation
+    from renate_events.inference import model_device
+
+    seen = []
+    for name in ("evaluate", "evaluate_row"):
+        original = getattr(evaluation, name)
+
+        def spy(model, tasks, *args, _original=original, **kwargs):
+            places = {t.device.type for task in tasks for t in task.test.tensors}
+            seen.append((model_device(model).type, sorted(places)))
+            return _original(model, tasks, *args, **kwargs)
+
+        monkeypatch.setattr(evaluation, name, spy)
+    argv = ["run", "--scenario", "seq-cifar10", "--data-dir", str(cifar10), "--model", "resnet18"]
+    argv += ["--model-args", "{nf = 4}", "--output-dir", str(tmp_path / "out")]
+    assert main([*argv, *FAST, "--device", "cuda"]) == 0  # the last --device counts
+    # the model on the GPU before the untrained model's evaluation, the test sets kept there
+    assert seen == [("cuda", ["cuda"])] * 6
+
+
 @SLOW
 def test_update_and_evaluate_keep_the_zoo_model(resnet_run, cifar10, tmp_path, capsys):
     state = resnet_run / "state" / "seed-0"
