@@ -66,37 +66,64 @@ CAPTURE_MODES = ("off", "compile", "graph")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# torch.compile's per-region "error on graph break" switch (torch 2.9 and later): a captured
-# step is traced with it on (a graph break is an error, raised while tracing, before the traced
-# code runs), the library's own eager parts with it off.
-_SWITCH = getattr(torch._dynamo, "error_on_graph_break", None)
-_ALLOW_BREAKS = None if _SWITCH is None else _SWITCH(False)
-_REFUSE_BREAKS = None if _SWITCH is None else _SWITCH(True)
+# What eager functions call under dynamo, made when a capture is first set up (so that a
+# process that never captures does not import torch._dynamo, about a second): per function, a
+# one-item list holding it behind torch.compiler.disable and the switch that allows its graph
+# break (torch.compile's per-region "error on graph break", torch 2.9 and later).
+_EAGER: list[tuple[Callable[..., Any], list[Callable[..., Any]]]] = []
+_PREPARED = False
 
 
 def eager(function: _F) -> _F:
-    """Run ``function`` eagerly when a compiled step calls it (``torch.compiler.disable``).
+    """Run ``function`` eagerly when a compiled step calls it.
 
     For the parts of a step that a captured step keeps out of its graph: writes to attrs
     objects (their validating ``__setattr__`` sends ``torch.compile`` into endless recursion,
     ``InternalTorchDynamoError: RecursionError``), draws from CPU generators and random
     transforms (a compiled graph would draw other numbers than the eager step), pinned copies
-    and the checks of an update's first step. Each call is a graph break, the one kind a
-    captured step allows (any other is refused, see :func:`capture_steps`). Outside compilation
-    it costs a few microseconds per call (two wrappers: ``torch.compiler.disable``'s and the
-    switch that allows its graph break; a wrapper of our own that skipped them would itself be
-    traced and recompiled by dynamo).
+    and the checks of an update's first step. Under ``torch.compile`` each call is a graph break
+    (``torch.compiler.disable``), the one kind a captured step allows (any other is refused,
+    see :func:`capture_steps`). Outside compilation it is a plain call after one check of
+    ``torch.compiler.is_compiling()``, and importing a module that uses it does not import
+    ``torch._dynamo``.
     """
-    disabled = torch.compiler.disable(function)
-    if _ALLOW_BREAKS is None:  # a torch without the switch: every graph break is allowed
-        return cast(_F, disabled)
+    holder: list[Callable[..., Any]] = []
+    _EAGER.append((function, holder))
+    if _PREPARED:
+        holder.append(_allowed_break(function))
 
-    @_ALLOW_BREAKS
     @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return function(*args, **kwargs)
+        # traced by dynamo: the allowed graph break (none made when the step was compiled
+        # by a torch.compile of the caller's own, not by a capture: then it is traced inline)
+        return (holder[0] if holder else function)(*args, **kwargs)
+
+    return cast(_F, call)
+
+
+def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` behind ``torch.compiler.disable``, its graph break allowed."""
+    disabled = torch.compiler.disable(function)
+    allow = getattr(torch._dynamo, "error_on_graph_break", None)
+    if allow is None:  # a torch without the switch: every graph break is allowed
+        return disabled
+
+    @allow(False)
     def call(*args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
-    return cast(_F, call)
+    return call
+
+
+def _prepare_eager() -> None:
+    """Make what every :func:`eager` function calls under dynamo (once, before a capture)."""
+    global _PREPARED
+    if not _PREPARED:
+        for function, holder in _EAGER:
+            holder.append(_allowed_break(function))
+        _PREPARED = True
 
 
 def keep_in_step(instance: Any, name: str, value: Any) -> None:
@@ -166,6 +193,7 @@ def capture_steps(
     # Dynamo logs a warning for the graph break of `.item()` before the strict trace turns it
     # into an error: the CaptureError says it all (and a command line prints one line).
     logging.getLogger("torch._dynamo.variables.tensor").setLevel(logging.ERROR)
+    _prepare_eager()
     options: dict[str, Any] = {} if mode == "compile" else {"mode": "reduce-overhead"}
     compiled = [torch.compile(_strict(function), **options) for function in (step, val_step)]
     return _guarded(mode, step, compiled[0]), _guarded(mode, val_step, compiled[1])
@@ -173,9 +201,8 @@ def capture_steps(
 
 def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``function`` traced with graph breaks refused (where torch has the switch)."""
-    return (
-        function if _REFUSE_BREAKS is None else functools.wraps(function)(_REFUSE_BREAKS(function))
-    )
+    refuse = getattr(torch._dynamo, "error_on_graph_break", None)
+    return function if refuse is None else functools.wraps(function)(refuse(True)(function))
 
 
 def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[..., None]:
@@ -223,6 +250,7 @@ class CompiledOptimizerStep:
         if reset_code is not None:
             reset_code(_optimizer_step.__code__)
         self.compiled = torch.compile(_optimizer_step)
+        _prepare_eager()
 
     def __call__(self, first: bool) -> None:
         """One optimizer step; ``first``: the fit's first (run eagerly)."""

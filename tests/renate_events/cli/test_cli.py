@@ -369,7 +369,7 @@ def test_capture_is_a_flag_kept_in_the_state_and_graph_needs_cuda(tmp_path, caps
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda function, **kw: compiled.append(kw) or function)
     assert main([*args, *out, "--capture", "compile"]) == 0
-    assert compiled == [{}, {}]  # step and val_step, torch.compile's default mode
+    assert compiled == [{}, {}, {}]  # step, val_step, optimizer step: torch.compile's default mode
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["trainer"]["capture"] == "compile"
     capsys.readouterr()

@@ -12,8 +12,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import ROOT
 from tests.renate_events.datasets.test_readers_cifar import write_cifar10
 
@@ -116,12 +114,8 @@ def test_a_run_imports_nothing_heavy_before_training_and_matplotlib_only_for_its
     assert ("matplotlib" in at_end) == (tmp_path / "out" / "accuracy_matrix.png").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.capture.eager applies torch.compiler.disable when a module is imported, "
-    "which imports torch._dynamo (about 1 s on a CPU, as long as torch itself) also for runs "
-    "that never compile",
-)
 def test_importing_the_command_line_does_not_import_torch_dynamo():
+    """``trainer.capture.eager`` makes its ``torch.compiler.disable`` wrappers only when a
+    capture is set up: torch._dynamo costs about as long to import as torch itself."""
     code = "import sys, renate_events.cli\nprint('torch._dynamo' in sys.modules)\n"
     assert _output(code).splitlines()[-1] == "False"
