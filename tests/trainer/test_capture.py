@@ -351,3 +351,38 @@ def test_a_captured_fit_compiles_its_optimizer_step_and_keeps_the_eager_one_firs
             model, optimizer, make_loader(make_data(n=32), batch_size=8), classification_step(model)
         )
     assert calls == {True: 1, False: result.optimizer_steps - 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "make",
+    [
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        functools.partial(torch.optim.Adam, lr=0.01),
+    ],
+)
+def test_a_compiled_optimizer_step_on_cuda_moves_the_parameters_as_the_eager_one(make):
+    """Inductor's optimizer step on CUDA parameters, the learning rate a CPU tensor changed by
+    a per-step scheduler: one graph, the eager step's parameters to float tolerance."""
+    torch._dynamo.reset()
+    model, twin = (m.cuda() for m in _twin_models())
+    eager, compiled = make(model.parameters()), make(twin.parameters())
+    stepper = CompiledOptimizerStep(compiled)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (eager, compiled)
+    ]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x, y = (t.cuda() for t in make_data(n=16).tensors)
+    for index in range(6):
+        for net, optimizer, scheduler, step in (
+            (model, eager, schedulers[0], None),
+            (twin, compiled, schedulers[1], stepper),
+        ):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step() if step is None else step(first=index == 0)
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+    assert counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
