@@ -21,8 +21,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from renate_events.choices import BUFFERS
 from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
 from renate_events.methods import (
+    METHODS,
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,
     GDumbLearner,
@@ -30,6 +32,7 @@ from renate_events.methods import (
 from renate_events.models import resnet18
 from renate_events.transforms import cifar_test_transform, cifar_train_transform
 from tests.helpers import sync_errors_in_steady_state
+from tests.renate_events.learners import test_capture as capture_tests
 from trainer import TensorLoader, Trainer
 
 pytestmark = pytest.mark.gpu
@@ -159,3 +162,27 @@ def test_steps_from_a_buffer_on_the_device_do_not_synchronise(precision):
     with sync_errors_in_steady_state(learner.trainer, BATCHES - 1):
         result = learner.fit(TensorDataset(*data))
     assert result.steps == BATCHES
+
+
+def _method(name: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
+    """The learner of the registered method ``name`` as the capture tests make it (a small MLP,
+    a tiny ViT for the prompt methods, two classes a task), its buffer on ``device`` (but
+    joint training's own store)."""
+    make = capture_tests._method(name)
+    learner, data = make("off", device)
+    spec = METHODS[name]
+    if not spec.own_buffer:  # a memory-free method given a memory_size fills it too
+        learner.buffer = BUFFERS[spec.default_buffer](MEMORY, seed=0, device=device)
+    learner.trainer.nonfinite_loss = "off"
+    return learner, data
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_the_steady_steps_of_every_method_do_not_synchronise(name):
+    """Every registered method, its buffer on the device: the second update's steady steps
+    (after its first, which checks the batch) run under ``set_sync_debug_mode("error")``."""
+    learner, data = _method(name, "cuda")
+    learner.fit(data(0))
+    with sync_errors_in_steady_state(learner.trainer, capture_tests.BATCHES - 1):
+        result = learner.fit(data(1))
+    assert result.steps >= capture_tests.BATCHES  # GDumb, Joint: the buffer's samples too
