@@ -204,9 +204,7 @@ def _run_config_file(options: Any) -> ConfigFile | None:
 def _check_run_length(updater: ModelUpdater, updates: int) -> None:
     """The learner built (its own checks) and, for a learner that can take only so many updates
     (a pool of one prompt per update), ``updates`` checked before the first one trains."""
-    check_updates = getattr(updater.learner_instance, "check_updates", None)
-    if check_updates is not None:
-        check_updates(updates)
+    updater.learner_instance.check_updates(updates)
 
 
 def _prepare_config_seed(

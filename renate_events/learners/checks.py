@@ -166,12 +166,19 @@ class DataChecks:
                 "would silently never happen; lower memory_batch_size or raise memory_size"
             )
 
+    def check_updates(self, count: int) -> None:
+        """Raise ``ValueError`` if the learner cannot take ``count`` more updates: nothing for
+        most methods; a method with a pool of one prompt per update checks the pool. ``run``
+        checks its number of tasks before the first update, :meth:`check_data` one more."""
+
     def check_data(self, data: Any) -> None:
-        """Reject empty data and labels outside the model's outputs before anything trains.
+        """Reject a learner that cannot take another update (:meth:`check_updates`), empty
+        data and labels outside the model's outputs before anything trains.
 
         ``fit`` calls it first; :class:`~renate_events.updater.ModelUpdater` calls it before an
         update, with its other checks. Raises ``ValueError`` naming what is wrong.
         """
+        self.check_updates(1)
         try:
             size = len(data)
         except TypeError:

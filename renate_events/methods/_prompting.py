@@ -173,13 +173,9 @@ class PromptModule(nn.Module):
     def new_task(self, task: int) -> None:
         """Prepare the prompts of update ``task`` (nothing by default)."""
 
-    def check_next_task(self) -> None:
-        """Raise ``ValueError`` if the module cannot take another update (nothing by
-        default); called before an update changes anything."""
-
     def check_updates(self, count: int) -> None:
         """Raise ``ValueError`` if the module cannot take ``count`` more updates (nothing by
-        default); a run checks its number of tasks with it before the first update."""
+        default): the learner's :meth:`check_updates`."""
 
     def check_loaded(self) -> None:
         """Raise ``ValueError`` naming the key if a loaded ``task`` cannot be this module's."""
@@ -275,24 +271,10 @@ class PromptLearner(ReplayOnlyForMemoryLosses, BaseExperienceReplayLearner):
     def default_components(self) -> dict[str, Component]:
         return {"prompt_loss": PromptLoss(prompt=self._prompt)}
 
-    def fit(self, train_data: Any, val_data: Any = None, *, resume_from: Any = None) -> Any:
-        """As the base learner's, after the prompt module's check that it can take another
-        update (a resumed update was checked when it started)."""
-        if resume_from is None:
-            self.prompt.check_next_task()
-        return super().fit(train_data, val_data, resume_from=resume_from)
-
     def check_updates(self, count: int) -> None:
-        """Raise ``ValueError`` if the prompt module cannot take ``count`` more updates (a run
-        of that many tasks is refused before it trains; :meth:`fit` checks one at a time)."""
+        """Raise ``ValueError`` if the prompt module cannot take ``count`` more updates (its
+        pool holds so many prompts)."""
         self.prompt.check_updates(count)
-
-    def check_data(self, data: Any) -> None:
-        """The prompt module's check that it can take another update, then the base learner's
-        checks of ``data``: the updater runs them before an update changes anything, so a
-        refusal there is one line on the command line."""
-        self.prompt.check_next_task()
-        super().check_data(data)
 
     def on_load_checkpoint(self, checkpoint: Any) -> None:
         """As the base learner's (the model is restored already), then the prompt module's

@@ -76,16 +76,9 @@ class DualPrompts(PromptModule):
         last = int(self.task) + count  # the E-prompt of the last of these updates
         if last >= len(self.keys):
             raise ValueError(
-                f"DualPromptLearner.pool_size must be at least {last + 1} for {count} more "
-                f"updates (one E-prompt each), got {len(self.keys)}"
-            )
-
-    def check_next_task(self) -> None:
-        task = int(self.task) + 1
-        if task >= len(self.keys):
-            raise ValueError(
-                f"DualPrompts: update {task + 1} needs E-prompt {task}, but the pool holds "
-                f"{len(self.keys)} (one per update); build the learner with a larger pool_size"
+                f"DualPromptLearner.pool_size must be at least {last + 1} for "
+                f"{count} more update{'s' if count > 1 else ''} (one E-prompt each), got "
+                f"{len(self.keys)}; build the learner with a larger pool_size"
             )
 
     def select(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
