@@ -257,11 +257,14 @@ def test_off_leaves_the_steps_as_they_are():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [{}, {"accumulate_grad_batches": 2}])
 @pytest.mark.parametrize("capture", ["compile", "graph"])
-def test_captured_losses_on_cuda_are_the_eager_ones(capture):
+def test_captured_losses_on_cuda_are_the_eager_ones(capture, kwargs):
+    """Accumulated gradients too: under ``"graph"`` the first step's gradients must survive
+    the next replay of the recorded backward pass."""
     torch._dynamo.reset()
-    eager = _fit_losses("off", "cuda")
-    captured = _fit_losses(capture, "cuda")
+    eager = _fit_losses("off", "cuda", **kwargs)
+    captured = _fit_losses(capture, "cuda", **kwargs)
     assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
 
