@@ -17,19 +17,6 @@ from trainer.exceptions import CheckpointFormatError
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` is CUDA when available, else the CPU; anything else goes to ``torch.device``."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device must be 'auto', a torch.device or a device string such as 'cpu' or 'cuda:0'; "
-            f"got {device!r}"
-        ) from exc
-
-
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
     """A zero-argument factory of the context manager that the step runs under."""
     if precision == "32":

@@ -14,7 +14,20 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["TensorLoader", "to_device"]
+__all__ = ["TensorLoader", "resolve_device", "to_device"]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; anything else goes to ``torch.device``."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be 'auto', a torch.device or a device string such as 'cpu' or 'cuda:0'; "
+            f"got {device!r}"
+        ) from exc
 
 
 def to_device(

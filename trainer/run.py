@@ -27,7 +27,7 @@ from trainer.capture import (
     check_capture_device,
     optimizer_stepper,
 )
-from trainer.data import to_device
+from trainer.data import resolve_device, to_device
 from trainer.distributed import DistributedContext
 from trainer.events import Events
 from trainer.state import TrainState
@@ -176,7 +176,7 @@ def place_model(trainer: Any, model: torch.nn.Module) -> torch.device:
     in the channels-last memory format with ``channels_last``. Each fit starts with it; code that
     runs the model before the first fit (an evaluation of the untrained model) calls it first,
     so that the model runs on the training device from the start."""
-    device = _runtime.resolve_device(trainer.dist.device_for(trainer.device))
+    device = resolve_device(trainer.dist.device_for(trainer.device))
     if trainer.channels_last:
         # the 4-dimensional weights (Module.to takes memory_format; its stubs do not say so)
         model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]

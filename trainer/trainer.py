@@ -34,6 +34,7 @@ from trainer import distributed as _distributed
 from trainer import validators as _v
 from trainer.capture import CAPTURE_MODES, check_capture_device
 from trainer.checkpointing import Checkpointer, check_attachable
+from trainer.data import resolve_device
 from trainer.events import Events
 from trainer.exceptions import ListenerError
 from trainer.listener_api import ListenerAPI
@@ -62,7 +63,7 @@ __all__ = ["FitResult", "StepOutput", "TrainState", "Trainer"]
 
 
 def _device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _runtime.resolve_device(value)
+    resolve_device(value)
 
 
 def _capture(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -20,6 +20,7 @@ from renate_events.learners import check_split
 from renate_events.methods import METHODS, method_of
 from renate_events.state_folder import read_manifest
 from renate_events.updater import dataset_tensors
+from trainer.data import resolve_device
 
 __all__ = [
     "ChunkTask",
@@ -169,7 +170,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
             fitted(f"--scenario {options.scenario}", task.test, spec)
     # the data checked first: the classifier's line is printed only for an evaluation that runs
     classifier = chosen_classifier(updater.learner_instance, options.classifier, options.state)
-    model = evaluated(classifier, updater.transforms)
+    model = evaluated(classifier, updater.transforms).to(resolve_device(options.device))
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
@@ -209,7 +210,7 @@ def _evaluate_from_config(options: Any) -> int:
         tasks.append(ChunkTask(chunk, None, None, test, classes))
     model = for_evaluation(
         chosen_classifier(updater.learner_instance, options.classifier, options.state), config
-    )
+    ).to(resolve_device(options.device))
     accuracies = evaluation.evaluate(model, tasks, mode="class-incremental")
     metrics = config.metrics()
     for task, accuracy in zip(tasks, accuracies):

@@ -23,6 +23,7 @@ from renate_events.cli._evaluate import (
 from renate_events.cli._options import PredictOptions, check_options
 from renate_events.cli._updaters import scratch_setting, updater_from_folder
 from renate_events.inference import inference, outputs_in_batches
+from trainer.data import resolve_device
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["OUTPUT_SUFFIXES", "predict", "write_predictions"]
@@ -51,7 +52,7 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
             method_classifier(updater.learner_instance, classifier, options.state),
             updater.transforms,
         )
-    outputs = _outputs(model, inputs, options.state)
+    outputs = _outputs(model.to(resolve_device(options.device)), inputs, options.state)
     labels = outputs.argmax(dim=1)
     probabilities = torch.softmax(outputs.float(), dim=1) if options.probabilities else None
     counts = torch.bincount(labels, minlength=outputs.shape[1]).tolist()

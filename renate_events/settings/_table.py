@@ -666,11 +666,11 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     "evaluate": (
         *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
-        *("classifier", "accept_config_change", "scratch_dir"),
+        *("classifier", "device", "accept_config_change", "scratch_dir"),
     ),
     "predict": (
         *("state", "data", "config_file", "chunk_id", "output", "probabilities", "seed"),
-        *("accept_config_change", "scratch_dir"),
+        *("device", "accept_config_change", "scratch_dir"),
     ),
     "info": ("state", "json"),
     "shift": (

@@ -216,7 +216,7 @@ CLI_CASES = [
     (_config_run("outputs_3d.py"), ["outputs have the shape (1, 4, 1)", "Flatten"]),
     (
         _config_run("host_read.py", "--capture", "compile"),
-        ["cannot be captured", "host_read.py", "in forward", "--capture off"],
+        ["cannot be captured", "host_read.py", "in forward", "--capture 'off'"],
     ),
     (_config_run("test_nan.py"), ["chunk 0", "test inputs hold NaN"]),
     (_config_run("test_label.py"), ["chunk 0", "test labels range over [0, 9]"]),

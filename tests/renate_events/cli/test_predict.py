@@ -169,3 +169,49 @@ def test_a_config_files_chunk_and_a_chunk_it_lacks(tmp_path, capsys):
     missing = str(tmp_path / "chunk5.npz")
     err = _bad(tmp_path, capsys, *args[1:], "--chunk-id", "5", "--output", missing)
     assert "there is no chunk 5" in err
+
+
+def _device_of_the_evaluated_model(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """Patches the forward passes of evaluate and predict to note the model's device."""
+    from renate_events import evaluation
+    from renate_events.cli import _predict
+    from renate_events.inference import model_device
+
+    devices: list[torch.device] = []
+    evaluate, outputs = evaluation.evaluate, _predict._outputs
+
+    def noting_evaluate(model, *args, **kwargs):
+        devices.append(model_device(model))
+        return evaluate(model, *args, **kwargs)
+
+    def noting_outputs(model, *args):
+        devices.append(model_device(model))
+        return outputs(model, *args)
+
+    monkeypatch.setattr(evaluation, "evaluate", noting_evaluate)
+    monkeypatch.setattr(_predict, "_outputs", noting_outputs)
+    return devices
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param("auto", marks=pytest.mark.gpu),
+    ],
+)
+def test_device_says_where_evaluate_and_predict_run_the_model(
+    state, data, device, monkeypatch, capsys
+):
+    devices = _device_of_the_evaluated_model(monkeypatch)
+    path = str(data[0])
+    assert main(["predict", "--state", str(state), "--data", path, "--device", device]) == 0
+    evaluate = ["evaluate", "--state", str(state), "--data", path, "--classifier", "nme"]
+    assert main([*evaluate, "--device", device]) == 0
+    assert [d.type for d in devices] == ["cpu" if device == "cpu" else "cuda"] * 2
+
+
+def test_an_unknown_device_is_one_line(state, data, tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "--state", str(state), "--data", str(data[0]), "--device", "tpu")
+    assert "--device" in err
