@@ -3,7 +3,7 @@
 # the gpu-marked tests, benchmarks/gpu_check.py and the whole suite, each under its own time
 # limit, logs under $OUT (or ./gpu_out). Wheels for packages the machine lacks (blinker, Optuna)
 # are installed from .whl/ when that folder exists.
-#   usage: [STAGES="tests check suite"] [GPU_CHECK_ARGS="--rounds 3"] \
+#   usage: [STAGES="tests check suite"] [GPU_CHECK_ARGS="--rounds 3"] [GPU_TESTS_S=240] \
 #          bash benchmarks/gpu_session.sh [--cpu-dry-run] [gpu_check seconds] [suite seconds]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,16 +27,21 @@ import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PY
+XDIST_OK=""
+$PY -c "import xdist" 2>/dev/null && XDIST_OK=1
 if [ -z "$DRY" ] && has tests; then
+    # Six workers: the compiled and captured tests spend most of their time compiling on the
+    # CPU (16 cores there); the GPU has room for six processes' small models.
     echo "== pytest -m gpu"
-    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+    timeout "${GPU_TESTS_S:-240}" $PY -m pytest -v -p no:cacheprovider -m gpu -rfEs \
+        ${XDIST_OK:+-n 6} 2>&1 | tee "$OUT/pytest_gpu.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
 fi
 has check && echo "== gpu_check.py $DRY" && timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
 if [ -z "$DRY" ] && has suite; then
     echo "== the whole suite"
     NPROC=$($PY -c "import os; print(min(12, os.cpu_count() or 1))")
     XDIST=""
-    $PY -c "import xdist" 2>/dev/null && XDIST="-n $NPROC"
+    [ -n "$XDIST_OK" ] && XDIST="-n $NPROC"
     # -v logs each result as it comes, so failures are known even if the time limit cuts the run
     timeout "$SUITE_S" $PY -m pytest -v -p no:cacheprovider $XDIST -rfE -W ignore 2>&1 \
         | tee "$OUT/suite.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
