@@ -271,6 +271,18 @@ def test_a_step_in_cuda_graphs_gives_the_eager_losses(name):
     assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["der", "er-ace", "icarl", "l2p", "lwf", "xder"])
+def test_methods_whose_steps_keep_tensors_give_their_eager_losses_in_cuda_graphs(name):
+    """Methods whose eager parts keep tensors of the step (stored logits, the classes seen, the
+    outputs of the new batch for X-DER's future constraint, a frozen copy's outputs, prompt
+    keys): a kept reference into a graph's memory would be overwritten by the next replay."""
+    torch._dynamo.reset()
+    eager = _losses(_method(name), "off", "cuda")
+    captured = _losses(_method(name), "graph", "cuda")
+    assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
 class _SaveAt:
     """Writes a checkpoint at ``batch_end`` of one step of the second update."""
 
