@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import inspect
@@ -102,10 +103,28 @@ def _own_frame(path: str, exc: BaseException) -> str:
         return ""
     frame = frames[-1]
     code = f": {frame.line.strip()}" if frame.line else ""
-    end = getattr(frame, "end_lineno", None)
+    end = getattr(frame, "end_lineno", None)  # Python 3.11+
+    if end is None and frame.lineno is not None:
+        end = _statement_end(path, frame.lineno)
     if code and end is not None and frame.lineno is not None and end > frame.lineno:
         code += " ..."  # a statement over several lines: its first line only, said so
     return f" ({os.path.basename(path)}, line {frame.lineno}{code})"
+
+
+def _statement_end(path: str, line: int) -> int | None:
+    """The last line of the innermost statement that starts on ``line`` of the file ``path``,
+    from its syntax tree (Python 3.10's tracebacks do not say where a statement ends)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    ends = [
+        node.end_lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.stmt) and node.lineno == line and node.end_lineno is not None
+    ]
+    return min(ends, default=None)
 
 
 def _execute(path: str) -> Any:

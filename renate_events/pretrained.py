@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from renate_events.models import ClassificationModel, vit
+from trainer.checkpoint import json_too_deep
 
 __all__ = ["PretrainedModelError", "backbone_state", "pretrained_vit"]
 
@@ -53,6 +54,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_PREFIXES = ("encoder.layer.{}.", "layers.{}.", "encoder.layers.{}.")
 _LAYER = re.compile(r"^(?:encoder\.layers?|layers)\.(\d+)\.")
+_MAX_CONFIG_DEPTH = 32  # a ViT's config.json is 2 or 3 levels deep
 
 
 class PretrainedModelError(ValueError):
@@ -240,7 +242,11 @@ def _config_beside(path: str) -> dict[str, Any]:
         return {}
     try:
         with open(config, encoding="utf-8") as handle:
-            values = json.load(handle)
+            text = handle.read()
+        # counted before parsing: json's own limit is the interpreter's and varies by version
+        if json_too_deep(text, _MAX_CONFIG_DEPTH):
+            raise ValueError(f"it nests deeper than {_MAX_CONFIG_DEPTH} levels")
+        values = json.loads(text)
     except (OSError, ValueError) as exc:
         raise _fail(
             path,

@@ -20,7 +20,7 @@ from trainer import _runtime
 from trainer import distributed as _distributed
 from trainer import state as _state
 from trainer.checkpoint import read_checkpoint, write_checkpoint
-from trainer.exceptions import ListenerError
+from trainer.exceptions import ListenerError, add_note
 from trainer.run import restore_attachments
 from trainer.state import ListenerStates
 from trainer.state_checks import check_tree
@@ -285,7 +285,7 @@ class Checkpointer:
         try:
             self.give_listener_states(states, path)
         except Exception as inner:  # the error being raised stays the one to report
-            exc.add_note(f"while putting the listeners' state back: {inner}")
+            add_note(exc, f"while putting the listeners' state back: {inner}")
 
     def require_attached(self, verb: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The attached model and optimizer; a ``RuntimeError`` naming ``verb`` without them."""

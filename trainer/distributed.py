@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data import TensorLoader
-from trainer.exceptions import TrainerError
+from trainer.exceptions import TrainerError, add_note
 
 __all__ = ["MODES", "RUNS_ON", "DistributedContext", "RankFailedError", "is_shared", "resolve"]
 
@@ -363,8 +363,7 @@ class DistributedContext:
         try:
             self.safe_point("failure", error=error)
         except Exception as inner:  # never hide the original error
-            if hasattr(error, "add_note"):
-                error.add_note(f"while telling the other ranks: {inner}")
+            add_note(error, f"while telling the other ranks: {inner}")
 
 
 def is_shared(error: BaseException) -> bool:

@@ -17,6 +17,7 @@ __all__ = [
     "NonFiniteLossError",
     "SubscriptionError",
     "TrainerError",
+    "add_note",
 ]
 
 
@@ -97,3 +98,21 @@ class MissingPackageError(TrainerError, ImportError):
         super().__init__(message, name=package)
         self.package = package
         self.extra = extra
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to the notes of ``error`` (PEP 678), which is being raised for a reason of
+    its own: ``error.add_note`` on Python 3.11 and later; on Python 3.10, which has no notes,
+    the ``__notes__`` list all the same (its tracebacks do not print it).
+
+    Example:
+        >>> error = KeyError("original")
+        >>> add_note(error, "while cleaning up: disk full")
+        >>> error.__notes__
+        ['while cleaning up: disk full']
+    """
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+        return
+    notes = getattr(error, "__notes__", None)  # Python 3.10
+    error.__notes__ = [*notes, note] if isinstance(notes, list) else [note]

@@ -36,7 +36,7 @@ from trainer.capture import CAPTURE_MODES, check_capture_device
 from trainer.checkpointing import Checkpointer, check_attachable
 from trainer.data import resolve_device
 from trainer.events import Events
-from trainer.exceptions import ListenerError
+from trainer.exceptions import ListenerError, add_note
 from trainer.listener_api import ListenerAPI
 from trainer.run import (
     FitResult,
@@ -426,8 +426,7 @@ class Trainer(ListenerAPI):
             if isinstance(exc, KeyboardInterrupt):
                 self._end(interrupted_result(self.state), interrupted=True)
         except Exception as inner:
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"while announcing it: {inner}")
+            add_note(exc, f"while announcing it: {inner}")
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from renate_events.hyperparameters import HyperparameterError, check_value, hype
 from renate_events.methods import LEARNERS
 from renate_events.settings import COMMANDS, SETTINGS, Setting, setting
 from trainer import validators as checks
+from trainer.checkpoint import json_too_deep
 
 __all__ = [
     "EvaluateOptions",
@@ -151,16 +152,52 @@ def _toml() -> Any:
     return tomllib
 
 
-def read_toml(path: str) -> dict[str, Any]:
-    """The table of a TOML file; an unreadable or invalid file is a :class:`UsageError`."""
+# Deeper than any option needs. The TOML reader has no limit of its own (the interpreter's
+# recursion limit stops it, at a depth that differs between Python versions) and dotted keys
+# (``a.b.c = 1``) nest without brackets, so the depth of what was read is counted here.
+_MAX_DEPTH = 64
+
+
+def _too_deep(value: Any, limit: int = _MAX_DEPTH) -> bool:
+    """Whether tables and arrays in ``value`` nest more than ``limit`` levels, counted without
+    recursion."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _loads_toml(text: str) -> dict[str, Any] | None:
+    """The table of TOML ``text``; None when it nests deeper than ``_MAX_DEPTH`` levels."""
     tomllib = _toml()
     try:
+        table = tomllib.loads(text)
+    except RecursionError:  # arrays or inline tables far deeper than _MAX_DEPTH
+        return None
+    return None if _too_deep(table) else table
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The table of a TOML file; an unreadable, invalid or too deep file is a
+    :class:`UsageError`."""
+    try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle)
+            table = _loads_toml(handle.read().decode("utf-8"))
     except OSError as exc:
         raise UsageError(f"cannot read --config {path}: {exc.strerror}") from exc
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
         raise UsageError(f"{path} is not valid TOML: {exc}") from exc
+    if table is None:
+        raise UsageError(
+            f"{path}: its tables or arrays nest deeper than {_MAX_DEPTH} levels, deeper than "
+            "any option needs"
+        )
+    return table
 
 
 def toml_keys(command: str) -> set[str]:
@@ -187,14 +224,15 @@ def read_config(path: str, command: str) -> dict[str, Any]:
 
 
 def parse_value(text: Any) -> Any:
-    """A flag's text as a TOML value (``0.5``, ``true``, ``["a"]``); other text stays a string."""
+    """A flag's text as a TOML value (``0.5``, ``true``, ``["a"]``); other text, and text nested
+    deeper than any option needs, stays a string (for the option's check to refuse)."""
     if not isinstance(text, str):
         return text  # from a TOML file: typed already
-    tomllib = _toml()
     try:
-        return tomllib.loads(f"value = {text}")["value"]
-    except tomllib.TOMLDecodeError:
+        table = _loads_toml(f"value = {text}")
+    except ValueError:  # TOMLDecodeError is one
         return text
+    return text if table is None else table["value"]
 
 
 def load_config_file(path: str) -> ConfigFile:
@@ -210,7 +248,7 @@ def _table_value(value: Any) -> Any:
     """``--model-args`` text as a TOML inline table (``{nf = 20}``) or a JSON object; a table
     from a TOML file stays as it is; anything else is left for the check to refuse."""
     value = parse_value(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and not json_too_deep(value, _MAX_DEPTH):
         try:
             return json.loads(value)
         except ValueError:

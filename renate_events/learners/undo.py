@@ -20,6 +20,7 @@ from renate_events.memory.mapped import (
     MappedSlidingWindowBuffer,
 )
 from renate_events.models import MultiHeadClassificationModel
+from trainer.exceptions import add_note
 from trainer.rollback import FitSnapshot, roll_back_fit, take_fit_snapshot
 
 __all__ = ["FailedUpdateUndo", "UpdateSnapshot", "buffer_copy"]
@@ -150,8 +151,7 @@ class FailedUpdateUndo:
             try:
                 self._roll_back_update(snapshot)
             except Exception as inner:  # the error being raised stays the one to report
-                if hasattr(exc, "add_note"):  # Python 3.11+
-                    exc.add_note(f"while putting the learner back as it was: {inner!r}")
+                add_note(exc, f"while putting the learner back as it was: {inner!r}")
             raise
         finally:
             self._update_snapshot = None

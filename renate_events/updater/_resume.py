@@ -34,6 +34,7 @@ from renate_events.state_folder import folder_key
 from renate_events.updater._errors import MidUpdateCheckpointError
 from renate_events.updater._records import UpdateFunctions, updater_config
 from trainer import FitResult, Trainer
+from trainer.checkpoint import json_too_deep
 from trainer.files import fsync_file, fsync_folder, sha256_of_file
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
 RECORD = "update.json"
 FORMAT = "renate_events.mid_update"
 VERSION = 1
+_MAX_RECORD_DEPTH = 8  # a record is 2 levels deep (the record, its "update" digests)
 _PARTS = {
     "input_state": "the input state folder",
     "arguments": "the updater's arguments and functions",
@@ -171,7 +173,11 @@ class MidUpdateCheckpoints:
         """``update.json``, checked: the format, the parts and a checkpoint in this folder."""
         try:
             with open(self.record_path, "rb") as file:
-                record = json.loads(file.read(1 << 20))
+                text = file.read(1 << 20).decode("utf-8")
+            # counted before parsing: json's own limit is the interpreter's and varies by version
+            if json_too_deep(text, _MAX_RECORD_DEPTH):
+                raise ValueError(f"it nests deeper than {_MAX_RECORD_DEPTH} levels")
+            record = json.loads(text)
         except (OSError, ValueError) as exc:
             raise MidUpdateCheckpointError(
                 f"{self.record_path}: not a readable record of a mid-update checkpoint ({exc}); "

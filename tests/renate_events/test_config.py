@@ -195,6 +195,31 @@ def test_a_statement_over_several_lines_is_shown_as_such(tmp_path):
     assert "line 7: raise ValueError( ...)" in str(info.value), info.value
 
 
+def test_a_statement_over_several_lines_is_said_without_a_tracebacks_end_line(
+    tmp_path, monkeypatch
+):
+    """Python 3.10's tracebacks do not say where a statement ends: the file's syntax tree does."""
+    import traceback
+    import types
+
+    real = traceback.extract_tb
+
+    def without_end_lines(tb):  # frames as Python 3.10 describes them
+        return [
+            types.SimpleNamespace(filename=f.filename, lineno=f.lineno, name=f.name, line=f.line)
+            for f in real(tb)
+        ]
+
+    monkeypatch.setattr(traceback, "extract_tb", without_end_lines)
+    body = 'def loss_fn():\n    raise ValueError(\n        "no loss here"\n    )\n'
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, body).loss()
+    assert "line 7: raise ValueError( ...)" in str(info.value), info.value
+    (tmp_path / "one").mkdir()
+    with pytest.raises(ConfigError, match=r"line 7: return 1 / 0\)"):  # one line: no "..."
+        _config(tmp_path / "one", "def loss_fn():\n    return 1 / 0\n").loss()
+
+
 @pytest.mark.parametrize(
     ("body", "call", "message"),
     [

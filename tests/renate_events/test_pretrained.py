@@ -174,3 +174,16 @@ def test_a_weights_file_that_contradicts_its_config_is_refused(saved_vit, tmp_pa
     copy = _folder_with(tmp_path, saved_vit, missing)
     with pytest.raises(PretrainedModelError, match="num_hidden_layers"):
         pretrained_vit(copy / "model.safetensors", num_classes=2)
+
+
+@pytest.mark.hostile
+def test_a_config_beside_the_weights_nested_too_deeply_is_refused(saved_vit, tmp_path):
+    """Counted before parsing, so that every Python version refuses it the same way (json's own
+    limit is the interpreter's recursion limit)."""
+    _, folder = saved_vit
+    copy = tmp_path / "deep"
+    copy.mkdir()
+    shutil.copy(folder / "model.safetensors", copy / "model.safetensors")
+    (copy / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(PretrainedModelError, match="not JSON \\(it nests deeper than 32 levels"):
+        pretrained_vit(copy / "model.safetensors", num_classes=2)

@@ -2,11 +2,11 @@
 preset, a uint8 buffer, DER++ on a ResNet-18) trains on the same inputs as in the usual layout,
 and its checkpoint reloads the same values into a model of either layout.
 
-On the CPU (torch 2.13.0+cpu) the channels-last backward of this reduced ResNet-18 can differ
-from a float64 reference by up to a few percent in the blocks before ``layer3.1`` for some
-batches (the contiguous layout: about 1e-5), so the whole update is compared with a loose
-tolerance only; the strict comparison is an ``xfail`` that documents it. Channels-last is an
-option for GPUs."""
+On the CPU (torch 2.13.0: the +cpu build and the CUDA build alike, Python 3.11 to 3.13) the
+channels-last backward of this reduced ResNet-18 can differ from a float64 reference by up to a
+few percent in the blocks before ``layer3.1`` for some batches (the contiguous layout: about
+1e-5), so the whole update is compared with a loose tolerance only; the strict comparison is an
+``xfail`` that documents it. Channels-last is an option for GPUs."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def test_the_image_path_trains_in_channels_last_and_its_checkpoint_reloads(tmp_p
 
 @pytest.mark.xfail(
     strict=False,
-    reason="torch 2.13.0+cpu: the channels-last backward of the reduced ResNet-18 differs by up "
-    "to a few percent from float64 on some batches (see the module docstring)",
+    reason="torch 2.13.0 on the CPU: the channels-last backward of the reduced ResNet-18 differs "
+    "by up to a few percent from float64 on some batches (see the module docstring)",
 )
 def test_the_image_path_in_channels_last_gives_the_usual_losses_on_the_cpu():
     _, losses = _derpp(channels_last=True)

@@ -402,7 +402,9 @@ def test_state_folders_keep_exemplars_and_class_means(tmp_path):
 @pytest.mark.slow
 def test_cli_run_and_evaluate_with_the_nme_classifier(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["run", "--learner", "icarl", "--hidden", "16", "--epochs", "1"]
+    # on the CPU: `evaluate` reads the state onto the CPU, and the run's own evaluation agrees with
+    # it to the last digit only on the same device (where CUDA is visible, run would use it)
+    args = ["run", "--learner", "icarl", "--hidden", "16", "--epochs", "1", "--device", "cpu"]
     assert main([*args, "--memory-size", "40", "--output-dir", str(out), "--no-progress"]) == 0
     table = capsys.readouterr().out
     assert "average_accuracy" in table
@@ -441,7 +443,7 @@ def test_cli_config_file_run_and_evaluate_with_the_nme_classifier(tmp_path, caps
     assert main([*run, "--epochs", "1", "--output-dir", str(out), "--no-progress"]) == 2
     assert "needs a feature extractor" in capsys.readouterr().err
     assert not out.exists()
-    features = ["--feature-modules", '["1"]', "--epochs", "1"]
+    features = ["--feature-modules", '["1"]', "--epochs", "1", "--device", "cpu"]  # as above
     assert main([*run, *features, "--output-dir", str(out), "--no-progress"]) == 0
     table = capsys.readouterr().out
     state = str(out / "state" / "seed-0")

@@ -195,6 +195,10 @@ TAMPERED = {
         "its SHA-256 is not the one update.json records",
     ),
     "record not JSON": (lambda f: (f / "update.json").write_text("{"), "not a readable record"),
+    "record nested deep": (
+        lambda f: (f / "update.json").write_text("[" * 100_000 + "]" * 100_000),
+        "not a readable record of a mid-update checkpoint (it nests deeper than 8 levels)",
+    ),
     "record format": (_edit_record("format", "other"), "key 'format'"),
     "record version": (_edit_record("format_version", 7), "key 'format_version'"),
     "record parts": (_edit_record("update", {"task_id": "x"}), "key 'update'"),
