@@ -39,12 +39,16 @@ naming the step and the eager fallback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
+import attr
 import torch
 
 from trainer.exceptions import CaptureError
@@ -245,6 +249,7 @@ class CompiledOptimizerStep:
         self.optimizer = optimizer
         self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
         self.eager = False
+        self.traced = False  # the compiled step has been traced once
         self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
         reset_code = getattr(torch._dynamo, "reset_code", None)
         if reset_code is not None:
@@ -283,12 +288,39 @@ class CompiledOptimizerStep:
                 holder.fill_(lr)
                 group["lr"] = holder
         try:
-            self.compiled(optimizer)
+            if self.traced:
+                self.compiled(optimizer)
+            else:  # the call that traces optimizer.step()
+                with _quiet_profiler_note():
+                    self.compiled(optimizer)
+                self.traced = True
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CaptureError(_capture_failure("compile", _optimizer_step, exc)) from exc
         finally:
             for group, lr in zip(groups, floats):
                 group["lr"] = lr
+
+
+class _NoProfilerNote(logging.Filter):
+    """Drops dynamo's note that it ignores a ``record_function`` block."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Profiler record function")
+
+
+@contextlib.contextmanager
+def _quiet_profiler_note() -> Iterator[None]:
+    """Without dynamo's warning about the profiler block inside every ``optimizer.step()``
+    (torch's own ``record_function``, which a compiled step leaves out): a line on stderr of
+    every captured fit, about nothing the user wrote. Dynamo warns once per process, so the
+    first trace of the optimizer step is the only one to quieten."""
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    note = _NoProfilerNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[tuple[Any, ...]]:
@@ -355,9 +387,18 @@ def _capture_failure(
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     what = getattr(exc, "gb_type", None)  # a refused graph break: its kind and explanation
     if what is None:
+        frame, writes_attrs = _where(lines)
+        where = "" if frame is None else f" at {frame}"
+        if writes_attrs and isinstance(exc.__context__, RecursionError):
+            return (
+                f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
+                f"it writes a field of an attrs object{where} (attrs' validating __setattr__ sends "
+                "torch.compile into endless recursion); mark the method that writes it "
+                f"@trainer.capture.eager, or {_FALLBACK}"
+            )
         return (
             f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
-            f"{type(exc).__name__}: {lines[0] if lines else ''}; {_FALLBACK}"
+            f"{type(exc).__name__}: {lines[0] if lines else ''}{where}; {_FALLBACK}"
         )
     explanation = next(
         (line.removeprefix("Explanation: ") for line in lines if line.startswith("Explanation:")),
@@ -372,6 +413,30 @@ def _capture_failure(
         "tensor) or make shapes that depend on the data: move that out of the step, or "
         f"{_FALLBACK}"
     )
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+
+
+def _library(module: Any) -> str:
+    return os.path.dirname(module.__file__) + os.sep
+
+
+def _where(lines: list[str]) -> tuple[str | None, bool]:
+    """From the lines of a dynamo error's message: ``file:line in name`` of the innermost frame
+    of its "from user code" stack outside torch and attrs (the user's line that broke the
+    capture; None if it names none), and whether that line called attrs' ``__setattr__``."""
+    found, in_attrs = None, False
+    for line in lines:
+        match = _FRAME.match(line)
+        if match is None:
+            continue
+        file = match["file"]
+        if file.startswith(_library(attr)):
+            in_attrs = in_attrs or match["name"] == "__setattr__"
+        elif not file.startswith(_library(torch)):
+            found, in_attrs = f"{file}:{match['line']} in {match['name']}", False
+    return found, in_attrs
 
 
 def _cudagraph_skips() -> int:
