@@ -31,7 +31,8 @@ batch of an epoch, a memory batch while the buffer holds fewer samples than ``me
 compiles (``"graph"``: records) one more graph for it the first time it comes and reuses it
 after; a parameter added to the model fails torch.compile's guards and recompiles too. Nothing
 is silently reused for a shape it was not made for. ``torch._dynamo.config.recompile_limit`` (8
-by default) bounds the variants per step function; beyond it that function runs eagerly.
+by default) bounds the variants per function of a step; a captured step that reaches it is
+refused (:class:`CaptureError` naming the guard that failed at every call, and where).
 
 An error of ``torch.compile`` while it captures the step is raised as :class:`CaptureError`,
 naming the step and the eager fallback.
@@ -197,6 +198,9 @@ def capture_steps(
     # Dynamo logs a warning for the graph break of `.item()` before the strict trace turns it
     # into an error: the CaptureError says it all (and a command line prints one line).
     logging.getLogger("torch._dynamo.variables.tensor").setLevel(logging.ERROR)
+    frames = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(f, _NoRefusedRecompileNote) for f in frames.filters):
+        frames.addFilter(_NoRefusedRecompileNote())
     _prepare_eager()
     options: dict[str, Any] = {} if mode == "compile" else {"mode": "reduce-overhead"}
     compiled = [torch.compile(_strict(function), **options) for function in (step, val_step)]
@@ -207,6 +211,12 @@ def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``function`` traced with graph breaks refused (where torch has the switch)."""
     refuse = getattr(torch._dynamo, "error_on_graph_break", None)
     return function if refuse is None else functools.wraps(function)(refuse(True)(function))
+
+
+def _refusing_breaks() -> contextlib.AbstractContextManager[Any]:
+    """Graph breaks (and the recompile limit) refused while dynamo compiles a frame."""
+    refuse = getattr(torch._dynamo, "error_on_graph_break", None)
+    return contextlib.nullcontext() if refuse is None else refuse(True)
 
 
 def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[..., None]:
@@ -301,6 +311,16 @@ class CompiledOptimizerStep:
                 group["lr"] = lr
 
 
+class _NoRefusedRecompileNote(logging.Filter):
+    """Drops dynamo's many-line warning that a frame hit the recompile limit where graph breaks
+    are refused: a :class:`CaptureError` saying the same follows (the command line's one line).
+    Elsewhere (the user's own ``torch.compile``) the frame then runs eagerly and it stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refusing = getattr(torch._dynamo.utils, "_get_error_on_graph_break", lambda: False)
+        return not (str(record.msg).startswith("torch._dynamo hit config.") and refusing())
+
+
 class _NoProfilerNote(logging.Filter):
     """Drops dynamo's note that it ignores a ``record_function`` block."""
 
@@ -359,7 +379,10 @@ def _guarded(
         try:
             if graph:
                 torch.compiler.cudagraph_mark_step_begin()
-            result = compiled(batch)
+            # strict from the step's own first frame: where its guards fail at every call, the
+            # recompile limit is a refusal there too (else dynamo runs that frame eagerly)
+            with _refusing_breaks():
+                result = compiled(batch)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CaptureError(_capture_failure(mode, original, exc)) from exc
         if not graph:
@@ -400,6 +423,8 @@ def _capture_failure(
             f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
             f"{type(exc).__name__}: {lines[0] if lines else ''}{where}; {_FALLBACK}"
         )
+    if what == "Dynamo recompile limit exceeded":
+        return _recompiled_at_every_call(mode, original)
     explanation = next(
         (line.removeprefix("Explanation: ") for line in lines if line.startswith("Explanation:")),
         "",
@@ -413,6 +438,35 @@ def _capture_failure(
         "tensor) or make shapes that depend on the data: move that out of the step, or "
         f"{_FALLBACK}"
     )
+
+
+def _recompiled_at_every_call(mode: str, original: Callable[[Any], Any]) -> str:
+    """The message of a step refused at dynamo's recompile limit: the guard that failed at the
+    last compilation (dynamo's own record of them), where, and what usually causes it."""
+    failures = max(getattr(torch._dynamo.utils, "guard_failures", {}).values(), key=len, default=[])
+    # the failure of the newest compiled variant ("<frame>/<variant>: <guard>  # ...")
+    newest = max(map(str, failures), key=_variant, default="")
+    lines = [line.strip() for line in newest.splitlines()]
+    guard = _GUARD.match(lines[0]) if lines else None
+    frame, _ = _where(lines)
+    return (
+        f"capture={mode!r}: the step {_name(original)} cannot be captured: torch.compile "
+        f"compiled it again at every call up to torch._dynamo.config.recompile_limit "
+        f"({torch._dynamo.config.recompile_limit})"
+        f"{', the guard ' + repr(guard['guard']) + ' failing each time' if guard else ''}"
+        f"{' at ' + frame if frame else ''}: Python state that the step changes at every call "
+        "(a counter, an int attribute of a module, a list it appends to); keep it in a tensor "
+        f"or write it in a method marked @trainer.capture.eager, or {_FALLBACK}"
+    )
+
+
+# a line of dynamo's guard failures: "12/0: net.calls == 3   # source  # file:line (HINT ...)"
+_GUARD = re.compile(r"\d+/(?P<variant>\d+): (?P<guard>.+?)\s*(?:#|\(HINT|$)", re.M)
+
+
+def _variant(failure: str) -> int:
+    match = _GUARD.match(failure)
+    return int(match["variant"]) if match else -1
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')

@@ -165,6 +165,49 @@ def test_a_step_writing_an_attrs_field_is_refused_naming_the_line_and_the_eager_
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+class _CountingModel(torch.nn.Module):
+    """A model of the user's that counts its calls in an int attribute (guarded by dynamo)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(seed=0)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # the state changed at every call
+        return self.inner(x)
+
+
+def test_a_step_recompiled_at_every_call_is_refused_naming_the_guard_and_its_line(
+    aot_eager, caplog
+):
+    """Python state changed at every call fails a guard at every step: the step compiled again
+    at every call until the recompile limit, which dynamo then ran eagerly (a many-line log) or
+    refused without saying why. It is a refusal naming the guard, the line and the fallback."""
+    model = _CountingModel()
+    line = _CountingModel.forward.__code__.co_firstlineno + 1
+    trainer = Trainer(max_epochs=3, device="cpu", capture="compile")
+    loader = make_loader(make_data(n=32), batch_size=8)
+    with caplog.at_level(logging.WARNING), pytest.raises(CaptureError) as error:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, _step_of(model))
+    message = str(error.value)
+    assert "\n" not in message
+    assert re.search(r"recompile_limit \(8\), the guard '[^']*\.calls == \d+' failing", message)
+    assert f"at {__file__}:{line} in forward" in message, message
+    assert "@trainer.capture.eager" in message and "capture='off'" in message
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    # refused at the ninth call, before its optimizer step (a bare trainer undoes none before)
+    assert trainer.state.optimizer_steps == 8
+
+
+def _step_of(model):
+    def step(batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return step
+
+
 def _host_read(model, x, y):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     if loss.item() > 1e6:  # Python control flow on a tensor's value
