@@ -262,8 +262,9 @@ class CompiledOptimizerStep:
         self.traced = False  # the compiled step has been traced once
         self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
         reset_code = getattr(torch._dynamo, "reset_code", None)
-        if reset_code is not None:
-            reset_code(_optimizer_step.__code__)
+        if reset_code is not None:  # every frame of the step: ours and the optimizer's
+            for code in _step_codes(optimizer):
+                reset_code(code)
         self.compiled = torch.compile(_optimizer_step)
         _prepare_eager()
 
@@ -341,6 +342,20 @@ def _quiet_profiler_note() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(note)
+
+
+def _step_codes(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The code objects dynamo compiles for a :class:`CompiledOptimizerStep`: its own function
+    and each layer of ``optimizer.step`` (torch's profiling ``wrapper`` around ``_use_grad``
+    around the class's ``step``: the wrapper is a frame of its own, and its variants, one per
+    optimizer object, reached the recompile limit after 8 fits in one process)."""
+    codes, function = [_optimizer_step.__code__], type(optimizer).step
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        function = getattr(function, "__wrapped__", None)
+    return codes
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[tuple[Any, ...]]:

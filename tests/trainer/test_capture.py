@@ -425,6 +425,23 @@ def test_a_captured_fit_compiles_its_optimizer_step_and_keeps_the_eager_one_firs
 
 
 @pytest.mark.usefixtures("aot_eager")
+def test_many_fits_in_one_process_stay_below_the_recompile_limit(caplog):
+    """Every fit makes its own optimizer; torch's ``wrapper`` around ``optimizer.step`` is a
+    frame of its own, guarded on the optimizer object: its variants reached dynamo's recompile
+    limit at the ninth fit of a process (``run --seeds`` with 9 seeds), whose optimizer step
+    then ran eagerly behind a many-line log. Each fit drops the variants of earlier ones."""
+    model = make_model(seed=0)
+    loader = make_loader(make_data(n=24), batch_size=8)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(10):
+            trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            assert trainer.state.optimizer_steps == 3
+    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("aot_eager")
 def test_a_captured_fit_logs_no_warning_about_the_optimizers_profiler_block(caplog):
     """``optimizer.step()`` holds torch's own ``record_function``; dynamo's warning that it
     ignores it was a line on stderr of every captured fit (``--capture compile``)."""
