@@ -349,7 +349,7 @@ def _step_codes(optimizer: torch.optim.Optimizer) -> list[Any]:
     and each layer of ``optimizer.step`` (torch's profiling ``wrapper`` around ``_use_grad``
     around the class's ``step``: the wrapper is a frame of its own, and its variants, one per
     optimizer object, reached the recompile limit after 8 fits in one process)."""
-    codes, function = [_optimizer_step.__code__], type(optimizer).step
+    codes, function = [_optimizer_step.__code__], cast(Any, type(optimizer).step)
     while function is not None:
         code = getattr(function, "__code__", None)
         if code is not None:
@@ -458,7 +458,8 @@ def _capture_failure(
 def _recompiled_at_every_call(mode: str, original: Callable[[Any], Any]) -> str:
     """The message of a step refused at dynamo's recompile limit: the guard that failed at the
     last compilation (dynamo's own record of them), where, and what usually causes it."""
-    failures = max(getattr(torch._dynamo.utils, "guard_failures", {}).values(), key=len, default=[])
+    recorded: dict[Any, list[Any]] = getattr(torch._dynamo.utils, "guard_failures", {})
+    failures = max(recorded.values(), key=len, default=[])
     # the failure of the newest compiled variant ("<frame>/<variant>: <guard>  # ...")
     newest = max(map(str, failures), key=_variant, default="")
     lines = [line.strip() for line in newest.splitlines()]
