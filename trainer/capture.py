@@ -45,6 +45,7 @@ import functools
 import logging
 import os
 import re
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
@@ -97,7 +98,6 @@ def eager(function: _F) -> _F:
     if _PREPARED:
         holder.append(_allowed_break(function))
 
-    @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return function(*args, **kwargs)
@@ -105,7 +105,33 @@ def eager(function: _F) -> _F:
         # by a torch.compile of the caller's own, not by a capture: then it is traced inline)
         return (holder[0] if holder else function)(*args, **kwargs)
 
-    return cast(_F, call)
+    return cast(_F, functools.wraps(function)(_own_code(call, function)))
+
+
+def _own_code(wrapper: _F, function: Callable[..., Any]) -> _F:
+    """``wrapper`` (a closure around ``function``) with a code object of its own.
+
+    Dynamo resumes a graph break inside a wrapper by compiling the wrapper's frame, and keeps
+    the compiled variants on its code object, guarded on the arguments. One code object shared
+    by the wrappers of every eager function (or torch's own ``error_on_graph_break`` wrapper,
+    shared by all) gathered the variants of all of them: X-DER's step reached the recompile
+    limit at its second update. A code object per wrapped function keeps them apart.
+    """
+    name = f"{wrapper.__name__}_{getattr(function, '__name__', 'function')}"
+    code = wrapper.__code__.replace(co_name=name, co_qualname=name)
+    closure, defaults = wrapper.__closure__, wrapper.__defaults__
+    return cast(_F, types.FunctionType(code, wrapper.__globals__, name, defaults, closure))
+
+
+def _under(manager: Any, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` called inside the context ``manager`` (an ``error_on_graph_break``
+    switch), through a wrapper with a code object of its own (see :func:`_own_code`)."""
+
+    def switched(*args: Any, **kwargs: Any) -> Any:
+        with manager:
+            return function(*args, **kwargs)
+
+    return _own_code(switched, function)
 
 
 def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,12 +140,7 @@ def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
     allow = getattr(torch._dynamo, "error_on_graph_break", None)
     if allow is None:  # a torch without the switch: every graph break is allowed
         return disabled
-
-    @allow(False)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return disabled(*args, **kwargs)
-
-    return call
+    return _under(allow(False), disabled)
 
 
 def _prepare_eager() -> None:
@@ -210,7 +231,7 @@ def capture_steps(
 def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``function`` traced with graph breaks refused (where torch has the switch)."""
     refuse = getattr(torch._dynamo, "error_on_graph_break", None)
-    return function if refuse is None else functools.wraps(function)(refuse(True)(function))
+    return function if refuse is None else functools.wraps(function)(_under(refuse(True), function))
 
 
 def _refusing_breaks() -> contextlib.AbstractContextManager[Any]:
