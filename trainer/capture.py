@@ -118,20 +118,29 @@ def _own_code(wrapper: _F, function: Callable[..., Any]) -> _F:
     limit at its second update. A code object per wrapped function keeps them apart.
     """
     name = f"{wrapper.__name__}_{getattr(function, '__name__', 'function')}"
-    code = wrapper.__code__.replace(co_name=name, co_qualname=name)
+    # one per wrapped function, not per wrapper: the fits of a learner wrap its bound step
+    # anew each time and find their compiled frames (a new code object traced them again)
+    key = (wrapper.__code__, getattr(getattr(function, "__func__", function), "__code__", name))
+    code = _CODES.setdefault(key, wrapper.__code__.replace(co_name=name, co_qualname=name))
     closure, defaults = wrapper.__closure__, wrapper.__defaults__
     return cast(_F, types.FunctionType(code, wrapper.__globals__, name, defaults, closure))
 
 
-def _under(manager: Any, function: Callable[..., Any]) -> Callable[..., Any]:
+_CODES: dict[tuple[Any, Any], Any] = {}  # the code objects of _own_code's wrappers
+
+
+def _under(
+    manager: Any, function: Callable[..., Any], of: Callable[..., Any]
+) -> Callable[..., Any]:
     """``function`` called inside the context ``manager`` (an ``error_on_graph_break``
-    switch), through a wrapper with a code object of its own (see :func:`_own_code`)."""
+    switch), through a wrapper with a code object of its own for ``of``, the function that
+    ``function`` is or wraps (see :func:`_own_code`)."""
 
     def switched(*args: Any, **kwargs: Any) -> Any:
         with manager:
             return function(*args, **kwargs)
 
-    return _own_code(switched, function)
+    return _own_code(switched, of)
 
 
 def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,7 +149,7 @@ def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
     allow = getattr(torch._dynamo, "error_on_graph_break", None)
     if allow is None:  # a torch without the switch: every graph break is allowed
         return disabled
-    return _under(allow(False), disabled)
+    return _under(allow(False), disabled, function)  # `disabled` has torch's shared code
 
 
 def _prepare_eager() -> None:
@@ -231,7 +240,11 @@ def capture_steps(
 def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``function`` traced with graph breaks refused (where torch has the switch)."""
     refuse = getattr(torch._dynamo, "error_on_graph_break", None)
-    return function if refuse is None else functools.wraps(function)(_under(refuse(True), function))
+    return (
+        function
+        if refuse is None
+        else functools.wraps(function)(_under(refuse(True), function, function))
+    )
 
 
 def _refusing_breaks() -> contextlib.AbstractContextManager[Any]:
