@@ -116,7 +116,7 @@ def _execute(path: str) -> Any:
         raise ConfigError(f"{path}: not a Python file that can be loaded")
     module = importlib.util.module_from_spec(spec)
     # Registered under its name, as an imported module is: what looks a class or function up
-    # by its ``__module__`` (torch.compile tracing a model's forward, pickle) finds the file.
+    # by its ``__module__`` finds it (torch.compile tracing a model's forward, get_type_hints).
     sys.modules[name] = module
     folder = os.path.dirname(path)
     sys.path.insert(0, folder)
