@@ -134,15 +134,22 @@ def _execute(path: str) -> Any:
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: not a Python file that can be loaded")
     module = importlib.util.module_from_spec(spec)
+    # Registered under its name, as an imported module is: what looks a class or function up
+    # by its ``__module__`` finds it (torch.compile tracing a model's forward, get_type_hints).
+    sys.modules[name] = module
     folder = os.path.dirname(path)
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
+        del sys.modules[name]
         raise ConfigError(
             f"{path}: syntax error at line {exc.lineno}: {exc.msg}; fix the file"
         ) from exc
-    except Exception as exc:
+    except BaseException as exc:
+        del sys.modules[name]  # a file that does not load leaves nothing behind
+        if not isinstance(exc, Exception):
+            raise
         raise ConfigError(
             f"{path}: loading the file raised {type(exc).__name__}: {exc}{_own_frame(path, exc)}"
         ) from exc

@@ -31,7 +31,8 @@ batch of an epoch, a memory batch while the buffer holds fewer samples than ``me
 compiles (``"graph"``: records) one more graph for it the first time it comes and reuses it
 after; a parameter added to the model fails torch.compile's guards and recompiles too. Nothing
 is silently reused for a shape it was not made for. ``torch._dynamo.config.recompile_limit`` (8
-by default) bounds the variants per step function; beyond it that function runs eagerly.
+by default) bounds the variants per function of a step; a captured step that reaches it is
+refused (:class:`CaptureError` naming the guard that failed at every call, and where).
 
 An error of ``torch.compile`` while it captures the step is raised as :class:`CaptureError`,
 naming the step and the eager fallback.
@@ -39,12 +40,17 @@ naming the step and the eager fallback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import re
+import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
+import attr
 import torch
 
 from trainer.exceptions import CaptureError
@@ -92,7 +98,6 @@ def eager(function: _F) -> _F:
     if _PREPARED:
         holder.append(_allowed_break(function))
 
-    @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return function(*args, **kwargs)
@@ -100,7 +105,42 @@ def eager(function: _F) -> _F:
         # by a torch.compile of the caller's own, not by a capture: then it is traced inline)
         return (holder[0] if holder else function)(*args, **kwargs)
 
-    return cast(_F, call)
+    return cast(_F, functools.wraps(function)(_own_code(call, function)))
+
+
+def _own_code(wrapper: _F, function: Callable[..., Any]) -> _F:
+    """``wrapper`` (a closure around ``function``) with a code object of its own.
+
+    Dynamo resumes a graph break inside a wrapper by compiling the wrapper's frame, and keeps
+    the compiled variants on its code object, guarded on the arguments. One code object shared
+    by the wrappers of every eager function (or torch's own ``error_on_graph_break`` wrapper,
+    shared by all) gathered the variants of all of them: X-DER's step reached the recompile
+    limit at its second update. A code object per wrapped function keeps them apart.
+    """
+    name = f"{wrapper.__name__}_{getattr(function, '__name__', 'function')}"
+    # one per wrapped function, not per wrapper: the fits of a learner wrap its bound step
+    # anew each time and find their compiled frames (a new code object traced them again)
+    key = (wrapper.__code__, getattr(getattr(function, "__func__", function), "__code__", name))
+    code = _CODES.setdefault(key, wrapper.__code__.replace(co_name=name, co_qualname=name))
+    closure, defaults = wrapper.__closure__, wrapper.__defaults__
+    return cast(_F, types.FunctionType(code, wrapper.__globals__, name, defaults, closure))
+
+
+_CODES: dict[tuple[Any, Any], Any] = {}  # the code objects of _own_code's wrappers
+
+
+def _under(
+    manager: Any, function: Callable[..., Any], of: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``function`` called inside the context ``manager`` (an ``error_on_graph_break``
+    switch), through a wrapper with a code object of its own for ``of``, the function that
+    ``function`` is or wraps (see :func:`_own_code`)."""
+
+    def switched(*args: Any, **kwargs: Any) -> Any:
+        with manager:
+            return function(*args, **kwargs)
+
+    return _own_code(switched, of)
 
 
 def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,12 +149,7 @@ def _allowed_break(function: Callable[..., Any]) -> Callable[..., Any]:
     allow = getattr(torch._dynamo, "error_on_graph_break", None)
     if allow is None:  # a torch without the switch: every graph break is allowed
         return disabled
-
-    @allow(False)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return disabled(*args, **kwargs)
-
-    return call
+    return _under(allow(False), disabled, function)  # `disabled` has torch's shared code
 
 
 def _prepare_eager() -> None:
@@ -193,6 +228,9 @@ def capture_steps(
     # Dynamo logs a warning for the graph break of `.item()` before the strict trace turns it
     # into an error: the CaptureError says it all (and a command line prints one line).
     logging.getLogger("torch._dynamo.variables.tensor").setLevel(logging.ERROR)
+    frames = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(f, _NoRefusedRecompileNote) for f in frames.filters):
+        frames.addFilter(_NoRefusedRecompileNote())
     _prepare_eager()
     options: dict[str, Any] = {} if mode == "compile" else {"mode": "reduce-overhead"}
     compiled = [torch.compile(_strict(function), **options) for function in (step, val_step)]
@@ -202,7 +240,17 @@ def capture_steps(
 def _strict(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``function`` traced with graph breaks refused (where torch has the switch)."""
     refuse = getattr(torch._dynamo, "error_on_graph_break", None)
-    return function if refuse is None else functools.wraps(function)(refuse(True)(function))
+    return (
+        function
+        if refuse is None
+        else functools.wraps(function)(_under(refuse(True), function, function))
+    )
+
+
+def _refusing_breaks() -> contextlib.AbstractContextManager[Any]:
+    """Graph breaks (and the recompile limit) refused while dynamo compiles a frame."""
+    refuse = getattr(torch._dynamo, "error_on_graph_break", None)
+    return contextlib.nullcontext() if refuse is None else refuse(True)
 
 
 def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[..., None]:
@@ -245,10 +293,12 @@ class CompiledOptimizerStep:
         self.optimizer = optimizer
         self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
         self.eager = False
+        self.traced = False  # the compiled step has been traced once
         self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
         reset_code = getattr(torch._dynamo, "reset_code", None)
-        if reset_code is not None:
-            reset_code(_optimizer_step.__code__)
+        if reset_code is not None:  # every frame of the step: ours and the optimizer's
+            for code in _step_codes(optimizer):
+                reset_code(code)
         self.compiled = torch.compile(_optimizer_step)
         _prepare_eager()
 
@@ -283,12 +333,63 @@ class CompiledOptimizerStep:
                 holder.fill_(lr)
                 group["lr"] = holder
         try:
-            self.compiled(optimizer)
+            if self.traced:
+                self.compiled(optimizer)
+            else:  # the call that traces optimizer.step()
+                with _quiet_profiler_note():
+                    self.compiled(optimizer)
+                self.traced = True
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CaptureError(_capture_failure("compile", _optimizer_step, exc)) from exc
         finally:
             for group, lr in zip(groups, floats):
                 group["lr"] = lr
+
+
+class _NoRefusedRecompileNote(logging.Filter):
+    """Drops dynamo's many-line warning that a frame hit the recompile limit where graph breaks
+    are refused: a :class:`CaptureError` saying the same follows (the command line's one line).
+    Elsewhere (the user's own ``torch.compile``) the frame then runs eagerly and it stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refusing = getattr(torch._dynamo.utils, "_get_error_on_graph_break", lambda: False)
+        return not (str(record.msg).startswith("torch._dynamo hit config.") and refusing())
+
+
+class _NoProfilerNote(logging.Filter):
+    """Drops dynamo's note that it ignores a ``record_function`` block."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Profiler record function")
+
+
+@contextlib.contextmanager
+def _quiet_profiler_note() -> Iterator[None]:
+    """Without dynamo's warning about the profiler block inside every ``optimizer.step()``
+    (torch's own ``record_function``, which a compiled step leaves out): a line on stderr of
+    every captured fit, about nothing the user wrote. Dynamo warns once per process, so the
+    first trace of the optimizer step is the only one to quieten."""
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    note = _NoProfilerNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
+
+
+def _step_codes(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The code objects dynamo compiles for a :class:`CompiledOptimizerStep`: its own function
+    and each layer of ``optimizer.step`` (torch's profiling ``wrapper`` around ``_use_grad``
+    around the class's ``step``: the wrapper is a frame of its own, and its variants, one per
+    optimizer object, reached the recompile limit after 8 fits in one process)."""
+    codes, function = [_optimizer_step.__code__], cast(Any, type(optimizer).step)
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        function = getattr(function, "__wrapped__", None)
+    return codes
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[tuple[Any, ...]]:
@@ -327,7 +428,10 @@ def _guarded(
         try:
             if graph:
                 torch.compiler.cudagraph_mark_step_begin()
-            result = compiled(batch)
+            # strict from the step's own first frame: where its guards fail at every call, the
+            # recompile limit is a refusal there too (else dynamo runs that frame eagerly)
+            with _refusing_breaks():
+                result = compiled(batch)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CaptureError(_capture_failure(mode, original, exc)) from exc
         if not graph:
@@ -355,10 +459,21 @@ def _capture_failure(
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     what = getattr(exc, "gb_type", None)  # a refused graph break: its kind and explanation
     if what is None:
+        frame, writes_attrs = _where(lines)
+        where = "" if frame is None else f" at {frame}"
+        if writes_attrs and isinstance(exc.__context__, RecursionError):
+            return (
+                f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
+                f"it writes a field of an attrs object{where} (attrs' validating __setattr__ sends "
+                "torch.compile into endless recursion); mark the method that writes it "
+                f"@trainer.capture.eager, or {_FALLBACK}"
+            )
         return (
             f"capture={mode!r}: torch.compile could not capture the step {_name(original)}: "
-            f"{type(exc).__name__}: {lines[0] if lines else ''}; {_FALLBACK}"
+            f"{type(exc).__name__}: {lines[0] if lines else ''}{where}; {_FALLBACK}"
         )
+    if what == "Dynamo recompile limit exceeded":
+        return _recompiled_at_every_call(mode, original)
     explanation = next(
         (line.removeprefix("Explanation: ") for line in lines if line.startswith("Explanation:")),
         "",
@@ -372,6 +487,60 @@ def _capture_failure(
         "tensor) or make shapes that depend on the data: move that out of the step, or "
         f"{_FALLBACK}"
     )
+
+
+def _recompiled_at_every_call(mode: str, original: Callable[[Any], Any]) -> str:
+    """The message of a step refused at dynamo's recompile limit: the guard that failed at the
+    last compilation (dynamo's own record of them), where, and what usually causes it."""
+    recorded: dict[Any, list[Any]] = getattr(torch._dynamo.utils, "guard_failures", {})
+    failures = max(recorded.values(), key=len, default=[])
+    # the failure of the newest compiled variant ("<frame>/<variant>: <guard>  # ...")
+    newest = max(map(str, failures), key=_variant, default="")
+    lines = [line.strip() for line in newest.splitlines()]
+    guard = _GUARD.match(lines[0]) if lines else None
+    frame, _ = _where(lines)
+    return (
+        f"capture={mode!r}: the step {_name(original)} cannot be captured: torch.compile "
+        f"compiled it again at every call up to torch._dynamo.config.recompile_limit "
+        f"({torch._dynamo.config.recompile_limit})"
+        f"{', the guard ' + repr(guard['guard']) + ' failing each time' if guard else ''}"
+        f"{' at ' + frame if frame else ''}: Python state that the step changes at every call "
+        "(a counter, an int attribute of a module, a list it appends to); keep it in a tensor "
+        f"or write it in a method marked @trainer.capture.eager, or {_FALLBACK}"
+    )
+
+
+# a line of dynamo's guard failures: "12/0: net.calls == 3   # source  # file:line (HINT ...)"
+_GUARD = re.compile(r"\d+/(?P<variant>\d+): (?P<guard>.+?)\s*(?:#|\(HINT|$)", re.M)
+
+
+def _variant(failure: str) -> int:
+    match = _GUARD.match(failure)
+    return int(match["variant"]) if match else -1
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+
+
+def _library(module: Any) -> str:
+    return os.path.dirname(module.__file__) + os.sep
+
+
+def _where(lines: list[str]) -> tuple[str | None, bool]:
+    """From the lines of a dynamo error's message: ``file:line in name`` of the innermost frame
+    of its "from user code" stack outside torch and attrs (the user's line that broke the
+    capture; None if it names none), and whether that line called attrs' ``__setattr__``."""
+    found, in_attrs = None, False
+    for line in lines:
+        match = _FRAME.match(line)
+        if match is None:
+            continue
+        file = match["file"]
+        if file.startswith(_library(attr)):
+            in_attrs = in_attrs or match["name"] == "__setattr__"
+        elif not file.startswith(_library(torch)):
+            found, in_attrs = f"{file}:{match['line']} in {match['name']}", False
+    return found, in_attrs
 
 
 def _cudagraph_skips() -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
 import re
+import sys
 import textwrap
 
 import numpy as np
@@ -283,3 +285,45 @@ def test_helpers_of_the_config_can_be_imported_from_its_folder(tmp_path):
         )
     )
     assert isinstance(config.model(), torch.nn.Linear)
+
+
+OWN_MODEL = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+def model_fn():
+    return Net()
+
+def data_fn(chunk_id, seed):
+    return torch.zeros(2, 4), torch.zeros(2)
+"""
+
+
+def test_a_model_class_of_the_config_file_is_found_by_its_module(tmp_path):
+    """torch.compile (``--capture compile``) looks the forward's globals up through the class's
+    ``__module__``: a config file is registered as the module it is (it was not: dynamo stopped
+    with ``ModuleNotFoundError: No module named '_renate_events_config_...'``)."""
+    config = load_config(_write(tmp_path, OWN_MODEL))
+    model = config.model()
+    assert sys.modules[type(model).__module__].Net is type(model)
+    assert type(pickle.loads(pickle.dumps(model))) is type(model)
+    x = torch.randn(5, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), model(x))
+
+
+def test_a_config_file_that_does_not_load_leaves_no_module_behind(tmp_path):
+    before = set(sys.modules)
+    with pytest.raises(ConfigError, match="loading the file raised ZeroDivisionError"):
+        load_config(_write(tmp_path, "x = 1 / 0\n"))
+    with pytest.raises(ConfigError, match="syntax error"):
+        load_config(_write(tmp_path, "def (:\n", name="broken.py"))
+    assert set(sys.modules) == before

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import re
 import warnings
 
@@ -135,6 +136,76 @@ def test_a_step_torch_compile_cannot_capture_is_a_capture_error_naming_the_fallb
         trainer.fit(
             model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader(make_data()), step
         )
+
+
+def test_a_step_writing_an_attrs_field_is_refused_naming_the_line_and_the_eager_marker(aot_eager):
+    """The endless recursion of attrs' ``__setattr__`` under dynamo is reported as what it is:
+    the line of the step that writes the field, and ``@trainer.capture.eager`` as the way out."""
+    model = make_model()
+    counter = _Counter()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step(batch):
+        x, y = batch
+        counter.calls = counter.calls + 1  # the write
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    line = step.__code__.co_firstlineno + 2
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    with pytest.raises(CaptureError) as error:
+        trainer.fit(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader(make_data()), step
+        )
+    message = str(error.value)
+    assert "\n" not in message
+    assert "writes a field of an attrs object" in message, message
+    assert f"at {__file__}:{line} in step" in message, message
+    assert "@trainer.capture.eager" in message and "capture='off'" in message
+    assert counter.calls == 0 and trainer.state.optimizer_steps == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class _CountingModel(torch.nn.Module):
+    """A model of the user's that counts its calls in an int attribute (guarded by dynamo)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(seed=0)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # the state changed at every call
+        return self.inner(x)
+
+
+def test_a_step_recompiled_at_every_call_is_refused_naming_the_guard_and_its_line(
+    aot_eager, caplog
+):
+    """Python state changed at every call fails a guard at every step: the step compiled again
+    at every call until the recompile limit, which dynamo then ran eagerly (a many-line log) or
+    refused without saying why. It is a refusal naming the guard, the line and the fallback."""
+    model = _CountingModel()
+    line = _CountingModel.forward.__code__.co_firstlineno + 1
+    trainer = Trainer(max_epochs=3, device="cpu", capture="compile")
+    loader = make_loader(make_data(n=32), batch_size=8)
+    with caplog.at_level(logging.WARNING), pytest.raises(CaptureError) as error:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, _step_of(model))
+    message = str(error.value)
+    assert "\n" not in message
+    assert re.search(r"recompile_limit \(8\), the guard '[^']*\.calls == \d+' failing", message)
+    assert f"at {__file__}:{line} in forward" in message, message
+    assert "@trainer.capture.eager" in message and "capture='off'" in message
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    # refused at the ninth call, before its optimizer step (a bare trainer undoes none before)
+    assert trainer.state.optimizer_steps == 8
+
+
+def _step_of(model):
+    def step(batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return step
 
 
 def _host_read(model, x, y):
@@ -354,6 +425,41 @@ def test_a_captured_fit_compiles_its_optimizer_step_and_keeps_the_eager_one_firs
             model, optimizer, make_loader(make_data(n=32), batch_size=8), classification_step(model)
         )
     assert calls == {True: 1, False: result.optimizer_steps - 1}
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_many_fits_in_one_process_stay_below_the_recompile_limit(caplog):
+    """Every fit makes its own optimizer; torch's ``wrapper`` around ``optimizer.step`` is a
+    frame of its own, guarded on the optimizer object: its variants reached dynamo's recompile
+    limit at the ninth fit of a process (``run --seeds`` with 9 seeds), whose optimizer step
+    then ran eagerly behind a many-line log. Each fit drops the variants of earlier ones."""
+    model = make_model(seed=0)
+    loader = make_loader(make_data(n=24), batch_size=8)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(10):
+            trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            assert trainer.state.optimizer_steps == 3
+    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_a_captured_fit_logs_no_warning_about_the_optimizers_profiler_block(caplog):
+    """``optimizer.step()`` holds torch's own ``record_function``; dynamo's warning that it
+    ignores it was a line on stderr of every captured fit (``--capture compile``)."""
+    torch._logging._internal.warning_once.cache_clear()  # dynamo warns once per process
+    model = make_model(seed=0)
+    trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+    with caplog.at_level(logging.WARNING):
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            make_loader(make_data(n=32), batch_size=8),
+            classification_step(model),
+        )
+    assert trainer.state.optimizer_steps == 4
+    assert not [r.getMessage() for r in caplog.records if "Profiler" in r.getMessage()]
 
 
 @pytest.mark.gpu

@@ -29,9 +29,11 @@ from renate_events.methods import (
     METHODS,
     DarkExperienceReplayLearner,
     ExperienceReplayLearner,
+    ExtendedDarkExperienceReplayLearner,
 )
 from renate_events.models import MultiHeadClassificationModel, mlp, resnet18, vit
 from renate_events.transforms import cifar_train_transform
+from renate_events.updater import ModelUpdater
 from tests.renate_events.methods.test_prompting import SMALL_ARGS, TINY
 from trainer import CaptureError, Trainer
 
@@ -197,6 +199,49 @@ def _two_classes(task: int) -> TensorDataset:
 def test_every_method_compiles_to_its_eager_losses(name):
     eager = _losses(_method(name), "off")
     compiled = _losses(_method(name), "compile")
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_a_step_of_many_eager_parts_stays_below_the_recompile_limit(tmp_path):
+    """X-DER's step calls many eager functions; their wrappers shared code objects, whose
+    compiled variants (one per eager function and argument kind) added up: an update from a
+    state folder in a new process (``renate-events update --capture compile``) was refused at
+    dynamo's recompile limit after a few steps. Captured, it gives the eager losses."""
+    name = next(n for n, s in METHODS.items() if s.learner is ExtendedDarkExperienceReplayLearner)
+
+    def data(task: int, n: int) -> TensorDataset:
+        generator = torch.Generator().manual_seed(task)
+        inputs = torch.randn(n, 8, generator=generator)
+        return TensorDataset(inputs, (inputs[:, 0] > 0).long() + 2 * (inputs[:, 1] > 0).long())
+
+    def second_update(capture: str) -> list[float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        noted = _Losses()
+        updater = ModelUpdater(
+            model,
+            learner=name,
+            learner_kwargs={"memory_size": 40},
+            trainer_kwargs={"capture": capture, "max_epochs": 2, "device": "cpu"},
+            input_state_folder=tmp_path / "first",
+            output_state_folder=tmp_path / capture,
+            listeners=[noted],
+        )
+        torch._dynamo.reset()  # as in a new process
+        updater.update(data(1, 100), data(11, 40))
+        return noted.values
+
+    torch.manual_seed(0)
+    ModelUpdater(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+        learner=name,
+        learner_kwargs={"memory_size": 40},
+        trainer_kwargs={"max_epochs": 2, "device": "cpu"},
+        output_state_folder=tmp_path / "first",
+    ).update(data(0, 100), data(10, 40))
+    eager, compiled = second_update("off"), second_update("compile")
+    assert len(compiled) == len(eager) == 8
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
 
