@@ -121,7 +121,10 @@ def _own_code(wrapper: _F, function: Callable[..., Any]) -> _F:
     # one per wrapped function, not per wrapper: the fits of a learner wrap its bound step
     # anew each time and find their compiled frames (a new code object traced them again)
     key = (wrapper.__code__, getattr(getattr(function, "__func__", function), "__code__", name))
-    code = _CODES.setdefault(key, wrapper.__code__.replace(co_name=name, co_qualname=name))
+    code = wrapper.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python 3.11 and later
+        code = code.replace(co_qualname=name)
+    code = _CODES.setdefault(key, code)
     closure, defaults = wrapper.__closure__, wrapper.__defaults__
     return cast(_F, types.FunctionType(code, wrapper.__globals__, name, defaults, closure))
 
