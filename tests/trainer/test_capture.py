@@ -348,7 +348,8 @@ def _twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def _train(model, optimizer, stepper, scheduler=None, steps=6):
     """``steps`` optimizer steps on fixed batches, through ``stepper`` (None: eagerly)."""
-    x, y = make_data(n=16).tensors
+    device = next(model.parameters()).device
+    x, y = (tensor.to(device) for tensor in make_data(n=16).tensors)
     for index in range(steps):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         if stepper is None:
@@ -372,7 +373,16 @@ def _train(model, optimizer, stepper, scheduler=None, steps=6):
 def test_a_compiled_optimizer_step_moves_the_parameters_as_the_eager_one(make):
     """The first step eagerly (it makes the state), the rest compiled; the learning rate of a
     per-step scheduler goes in as a tensor: no recompilation, the floats stay in the groups."""
-    model, twin = _twin_models()
+    eager, compiled = _compare_optimizer_steps(make, "cpu", rtol=1e-5, atol=1e-6)
+    assert all(type(group["lr"]) is float for group in compiled.param_groups)
+    assert compiled.state_dict()["param_groups"][0]["lr"] == eager.param_groups[0]["lr"]
+
+
+def _compare_optimizer_steps(make, device, rtol, atol):
+    """Six steps of twin models on ``device``, eagerly and through a
+    :class:`CompiledOptimizerStep`, each under a per-step StepLR: one compiled graph, the same
+    parameters to the tolerance; the two optimizers."""
+    model, twin = (m.to(device) for m in _twin_models())
     eager, compiled = make(model.parameters()), make(twin.parameters())
     stepper = CompiledOptimizerStep(compiled)
     schedulers = [
@@ -384,9 +394,8 @@ def test_a_compiled_optimizer_step_moves_the_parameters_as_the_eager_one(make):
     _train(twin, compiled, stepper, schedulers[1])
     assert counters["stats"]["unique_graphs"] == 1  # five compiled steps, four learning rates
     for a, b in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert all(type(group["lr"]) is float for group in compiled.param_groups)
-    assert compiled.state_dict()["param_groups"][0]["lr"] == eager.param_groups[0]["lr"]
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    return eager, compiled
 
 
 @pytest.mark.usefixtures("aot_eager")
@@ -474,24 +483,4 @@ def test_a_compiled_optimizer_step_on_cuda_moves_the_parameters_as_the_eager_one
     """Inductor's optimizer step on CUDA parameters, the learning rate a CPU tensor changed by
     a per-step scheduler: one graph, the eager step's parameters to float tolerance."""
     torch._dynamo.reset()
-    model, twin = (m.cuda() for m in _twin_models())
-    eager, compiled = make(model.parameters()), make(twin.parameters())
-    stepper = CompiledOptimizerStep(compiled)
-    schedulers = [
-        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (eager, compiled)
-    ]
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    x, y = (t.cuda() for t in make_data(n=16).tensors)
-    for index in range(6):
-        for net, optimizer, scheduler, step in (
-            (model, eager, schedulers[0], None),
-            (twin, compiled, schedulers[1], stepper),
-        ):
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            optimizer.step() if step is None else step(first=index == 0)
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-    assert counters["stats"]["unique_graphs"] == 1
-    for a, b in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _compare_optimizer_steps(make, "cuda", rtol=1e-4, atol=1e-5)
