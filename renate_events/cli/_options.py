@@ -301,6 +301,14 @@ def check_options(
             if message.startswith(prefix):
                 flag = "--" + field.name.replace("_", "-")
                 message = _flag_message(flag, message.removeprefix(prefix), exc)
+                value = values.get(field.name)
+                if message.startswith("unknown ") and not isinstance(value, str):
+                    # a file's true, 3 or [..] where a name is expected: say the type too
+                    message = message.replace(
+                        f"unknown {flag} {value!r}",
+                        f"{flag} must be a name, got {type(value).__name__} {value!r}",
+                        1,
+                    )
                 if field.name in from_file:
                     message += f" (in {values['config']})"
         raise UsageError(message) from None

@@ -150,6 +150,7 @@ def world(tmp_path_factory: Any) -> pathlib.Path:
     (w / "bad.toml").write_text("epochs = \n")
     (w / "unknown.toml").write_text("epoch = 3\n")
     (w / "space.toml").write_text("epochs = {low = 1, high = 2}\n")
+    (w / "bool_choice.toml").write_text("capture = true\n")
     (w / "not_a_state").mkdir()
     (w / "not_a_state" / "notes.txt").write_text("hello")
     (w / "earlier_run").mkdir()
@@ -208,6 +209,7 @@ CLI_CASES = [
     ([*RUN, "--config", "{w}/bad.toml"], ["bad.toml"]),
     ([*RUN, "--config", "{w}/unknown.toml"], ["epoch"]),
     ([*RUN, "--config", "{w}/missing.toml"], ["missing.toml"]),
+    ([*RUN, "--config", "{w}/bool_choice.toml"], ["--capture must be a name, got bool True"]),
     ([*RUN, "--config-file", "{w}/good.py"], ["--config-file needs --chunks"]),
     ([*RUN, "--config-file", "{w}/good.py", "--chunks", "1"], ["--chunks must be an int in [2,"]),
     (_config_run("missing.py"), ["missing.py"]),
