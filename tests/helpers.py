@@ -103,6 +103,14 @@ def make_model(features: int = 6, classes: int = 3, seed: int = 0, dropout: floa
     )
 
 
+def labelled(labels: list[int], seed: int, features: int = 6) -> TensorDataset:
+    """Random inputs of ``features`` features (seeded) with exactly ``labels`` as targets."""
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(len(labels), features, generator=generator), torch.tensor(labels)
+    )
+
+
 def make_loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = True) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
 

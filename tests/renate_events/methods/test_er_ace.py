@@ -14,22 +14,19 @@ from renate_events.hyperparameters import hyperparameters
 from renate_events.memory import ReservoirBuffer
 from renate_events.methods import LEARNERS, AsymmetricCrossEntropyExperienceReplayLearner, method
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_next_update_steps_do_not_sync, parameters_of
+from tests.helpers import (
+    assert_next_update_steps_do_not_sync,
+    labelled,
+    make_model,
+    parameters_of,
+)
 from trainer import Trainer
 
 CLASSES = 5
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
-    )
-
-
-def _data(labels: list[int], seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(len(labels), 6, generator=generator), torch.tensor(labels))
+    return make_model(classes=CLASSES, seed=seed)
 
 
 def _learner(model: torch.nn.Module, **options) -> AsymmetricCrossEntropyExperienceReplayLearner:
@@ -79,9 +76,9 @@ def _sgd_step(model, batch, memory, alpha, mask):
 def test_an_update_is_a_bare_hand_written_er_ace_step(options):
     model = _model()
     learner = _learner(model, **options)
-    learner.fit(_data([0, 1] * 8, seed=0))  # the first update fills the memory with 0s and 1s
+    learner.fit(labelled([0, 1] * 8, seed=0))  # the first update fills the memory with 0s and 1s
     start = copy.deepcopy(model)
-    second = _data([2, 3, 3, 2, 3, 2, 2, 3], seed=1)  # one batch of two new classes
+    second = labelled([2, 3, 3, 2, 3, 2, 2, 3], seed=1)  # one batch of two new classes
     memory = _next_memory_batch(learner)
     losses = []
     learner.trainer.connect("batch_end", lambda loss: losses.append(loss.detach().item()))
@@ -107,9 +104,9 @@ def test_the_mask_is_the_classes_of_the_incoming_batch_alone():
     classes (ER): the second batch's loss keeps the logits of its own classes 3 and 4 only."""
     model = _model()
     learner = _learner(model)
-    learner.fit(_data([0, 1] * 8, seed=0))
+    learner.fit(labelled([0, 1] * 8, seed=0))
     learner.on_train_start()  # the next update starts (the trainer calls this at train_start)
-    first, second = _data([2, 3] * 4, seed=1), _data([3, 4] * 4, seed=2)
+    first, second = labelled([2, 3] * 4, seed=1), labelled([3, 4] * 4, seed=2)
     learner.training_step(first.tensors)
     memory = _next_memory_batch(learner)
     loss = learner.training_step(second.tensors)["loss"].detach()
@@ -123,7 +120,7 @@ def test_the_mask_is_the_classes_of_the_incoming_batch_alone():
 def test_the_memory_keeps_the_unmasked_logits():
     model = _model()
     learner = _learner(model, memory_size=8)
-    data = _data([2, 3] * 4, seed=3)
+    data = labelled([2, 3] * 4, seed=3)
     learner.fit(data)
     _, metadata = learner.buffer.sample(8)
     stored = metadata["logits"]
@@ -157,7 +154,7 @@ def test_er_ace_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         trainer_kwargs={"max_epochs": 1, "device": "cpu"},
         output_state_folder=str(tmp_path / "state"),
     )
-    updater.update(_data([0, 1] * 8, seed=0))
+    updater.update(labelled([0, 1] * 8, seed=0))
     assert isinstance(updater.learner_instance, AsymmetricCrossEntropyExperienceReplayLearner)
     assert len(updater.learner_instance.buffer) == 16
 
@@ -174,5 +171,5 @@ def test_the_step_makes_no_host_sync_on_cuda():
         batch_size=16,
         trainer=Trainer(max_epochs=1, device="cuda", nonfinite_loss="off"),
     )
-    first, batch = _data([0, 1] * 32, seed=0), _data([2, 3] * 8, seed=1).tensors
+    first, batch = labelled([0, 1] * 32, seed=0), labelled([2, 3] * 8, seed=1).tensors
     assert_next_update_steps_do_not_sync(learner, first, batch)

@@ -9,14 +9,19 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 from renate_events.hyperparameters import hyperparameters
 from renate_events.memory import GreedyClassBalancingBuffer, ReservoirBuffer
 from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner, method
 from renate_events.methods.xder import transplant_logits
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_next_update_steps_do_not_sync, assert_same_tree, parameters_of
+from tests.helpers import (
+    assert_next_update_steps_do_not_sync,
+    assert_same_tree,
+    labelled,
+    make_model,
+    parameters_of,
+)
 from trainer import Trainer, read_checkpoint
 from trainer.exceptions import ListenerError
 
@@ -24,15 +29,7 @@ CLASSES = 6
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES)
-    )
-
-
-def _data(labels: list[int], seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(len(labels), 6, generator=generator), torch.tensor(labels))
+    return make_model(classes=CLASSES, seed=seed)
 
 
 def _learner(model: torch.nn.Module, **options) -> ExtendedDarkExperienceReplayLearner:
@@ -111,7 +108,7 @@ def _xder_loss(model, batch, memory, alpha=1.0, beta=1.0, eta=0.1, margin=0.3, p
 def _first_update(**options):
     model = _model()
     learner = _learner(model, **options)
-    learner.fit(_data([0, 1] * 8, seed=0))  # the end fill: 6 samples of each of 0 and 1
+    learner.fit(labelled([0, 1] * 8, seed=0))  # the end fill: 6 samples of each of 0 and 1
     return model, learner
 
 
@@ -119,7 +116,7 @@ def _first_update(**options):
 def test_an_update_is_a_bare_hand_written_xder_step(options):
     model, learner = _first_update(**options)
     start = copy.deepcopy(model)
-    second = _data([2, 3, 3, 2, 3, 2, 2, 3], seed=1)  # one batch of two new classes
+    second = labelled([2, 3, 3, 2, 3, 2, 2, 3], seed=1)  # one batch of two new classes
     memory = _next_memory_batches(learner)
     losses = []
     learner.trainer.connect("batch_end", lambda loss: losses.append(loss.detach().item()))
@@ -146,7 +143,7 @@ def test_the_past_constraint_is_the_reference_term(past_constraint):
     options = {"constraint_margin": 1.0, "past_constraint": past_constraint}
     model, learner = _first_update(**options)
     start = copy.deepcopy(model)
-    second = _data([2, 3, 3, 2, 3, 2, 2, 3], seed=1)
+    second = labelled([2, 3, 3, 2, 3, 2, 2, 3], seed=1)
     memory = _next_memory_batches(learner)
     losses = []
     learner.trainer.connect("batch_end", lambda loss: losses.append(loss.detach().item()))
@@ -172,7 +169,7 @@ def test_the_past_constraint_needs_past_classes():
     for past_constraint, found in losses.items():
         learner = _learner(_model(), past_constraint=past_constraint)
         learner.trainer.connect("batch_end", _recorder(found))
-        learner.fit(_data([0, 1] * 4, seed=0))
+        learner.fit(labelled([0, 1] * 4, seed=0))
     assert losses[True] == losses[False] and len(losses[True]) == 1
 
 
@@ -183,7 +180,7 @@ def test_without_present_classes_the_past_constraint_adds_nothing():
     for past_constraint, found in losses.items():
         _, learner = _first_update(mask_unused_classes=False, past_constraint=past_constraint)
         learner.trainer.connect("batch_end", _recorder(found))
-        learner.fit(_data([2, 3] * 4, seed=1))
+        learner.fit(labelled([2, 3] * 4, seed=1))
     assert losses[True] == losses[False] and torch.isfinite(torch.tensor(losses[True])).all()
 
 
@@ -202,7 +199,7 @@ def test_a_step_updates_the_stored_future_logits_of_the_replayed_samples():
     memory = _next_memory_batches(learner)
     with torch.no_grad():
         current = [model(inputs) for (inputs, _), _ in memory]
-    learner.training_step(_data([2, 3] * 4, seed=1).tensors)
+    learner.training_step(labelled([2, 3] * 4, seed=1).tensors)
     after = learner.buffer.get_metadata("logits", torch.arange(12))
     expected = before.clone()
     for ((_, targets), meta), outputs in zip(memory, current):
@@ -218,7 +215,7 @@ def test_the_end_of_an_update_updates_every_stored_sample():
     """After the second update every sample of 0 and 1 holds the final model's logits of 2..5
     (transplanted), every new sample of 2 and 3 its past logits scaled below its label's."""
     model, learner = _first_update(logit_update_gamma=0.2)
-    learner.fit(_data([2, 3] * 8, seed=1))
+    learner.fit(labelled([2, 3] * 8, seed=1))
     slots = torch.arange(len(learner.buffer))
     inputs, targets = learner.buffer.dataset().__getitems__(slots.tolist())
     stored = learner.buffer.get_metadata("logits", slots)
@@ -280,7 +277,7 @@ def test_a_failed_update_leaves_the_buffer_and_the_model_as_they_were():
 
     learner.trainer.connect("batch_end", fail_on_second)
     with pytest.raises(ListenerError, match="boom"):
-        learner.fit(_data([2, 3] * 8, seed=1))
+        learner.fit(labelled([2, 3] * 8, seed=1))
     for key, value in learner.buffer.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, state[key]), key
@@ -305,7 +302,7 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         trainer_kwargs={"max_epochs": 1, "device": "cpu"},
         output_state_folder=str(tmp_path / "state"),
     )
-    updater.update(_data([0, 1] * 8, seed=0))
+    updater.update(labelled([0, 1] * 8, seed=0))
     learner = updater.learner_instance
     assert isinstance(learner, ExtendedDarkExperienceReplayLearner)
     assert isinstance(learner.buffer, GreedyClassBalancingBuffer)
@@ -319,7 +316,7 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         input_state_folder=str(tmp_path / "state"),
         output_state_folder=str(tmp_path / "next"),
     )
-    following.update(_data([2, 3] * 8, seed=1))
+    following.update(labelled([2, 3] * 8, seed=1))
     learner = following.learner_instance
     assert learner.buffer.class_counts() == {0: 3, 1: 3, 2: 3, 3: 3}
     assert learner._past is not None and learner._past.tolist()[:4] == [True, True, False, False]
@@ -337,7 +334,7 @@ def test_the_step_makes_no_host_sync_on_cuda():
         batch_size=16,
         trainer=Trainer(max_epochs=1, device="cuda", nonfinite_loss="off"),
     )
-    first, batch = _data([0, 1] * 32, seed=0), _data([2, 3] * 8, seed=1).tensors
+    first, batch = labelled([0, 1] * 32, seed=0), labelled([2, 3] * 8, seed=1).tensors
     assert_next_update_steps_do_not_sync(learner, first, batch)
 
 
@@ -365,7 +362,7 @@ def _state(learner, path):
 def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
     """The replay counts and the past classes survive a checkpoint in the middle of an update:
     a fresh learner resumed from it ends with the same model and the same stored logits."""
-    first, second = _data([0, 1] * 8, seed=0), _data([2, 3] * 12, seed=1)
+    first, second = labelled([0, 1] * 8, seed=0), labelled([2, 3] * 12, seed=1)
 
     def learner(trainer=None):
         return _learner(_model(), trainer=trainer or Trainer(max_epochs=2, device="cpu"))
@@ -396,10 +393,10 @@ def test_replay_counts_of_the_wrong_kind_are_refused_on_load(tmp_path):
     crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=2)
     trainer.subscribe(crash, name="crash")
     learner = _learner(_model(), trainer=trainer)
-    learner.fit(_data([0, 1] * 8, seed=0))
+    learner.fit(labelled([0, 1] * 8, seed=0))
     crash.armed = True
     with pytest.raises(KeyboardInterrupt):
-        learner.fit(_data([2, 3] * 12, seed=1))
+        learner.fit(labelled([2, 3] * 12, seed=1))
     tree = read_checkpoint(tmp_path / "mid.safetensors")
     counts = tree["listeners"]["learner"]["replay_counts"]
     fresh = _learner(_model())
