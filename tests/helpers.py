@@ -446,3 +446,29 @@ def new_mlflow_store(template: Any, folder: Any) -> pathlib.Path:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, folder / "mlflow.db")
     return folder
+
+
+class SaveThenCrash:
+    """A listener that, once ``armed``, writes the trainer's checkpoint to ``path`` at the
+    ``batch_end`` of global step ``step`` and interrupts the fit (``KeyboardInterrupt``) at the
+    next ``batch_start``: an update killed right after a mid-update checkpoint."""
+
+    def __init__(self, path: Any, step: int) -> None:
+        self.path, self.step, self.armed = path, step, False
+
+    def on_batch_end(self, trainer: Any, state: Any) -> None:
+        if self.armed and state.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_batch_start(self, state: Any) -> None:
+        if self.armed and state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def model_and_listeners(learner: Any, path: Any) -> dict[str, Any]:
+    """The model and listener sections of ``learner``'s checkpoint, written to ``path``."""
+    from trainer import read_checkpoint
+
+    learner.save_checkpoint(path)
+    tree = read_checkpoint(path)
+    return {"model": tree["model"], "listeners": tree["listeners"]}

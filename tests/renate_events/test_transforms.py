@@ -29,13 +29,15 @@ from renate_events.transforms import (
 )
 from tests.helpers import (
     SCALED_TRANSFORMS,
+    SaveThenCrash,
     assert_same_tensors,
     assert_same_tree,
+    model_and_listeners,
     parameters_of,
     small_mlp,
     uint8_task,
 )
-from trainer import Trainer, read_checkpoint, validators
+from trainer import Trainer, validators
 
 
 def _images(n=16, size=8, seed=0):
@@ -255,34 +257,15 @@ def test_images_of_another_shape_than_the_buffers_are_refused_before_training():
     assert learner.buffer.num_seen == seen
 
 
-class SaveThenCrash:
-    def __init__(self, path):
-        self.path, self.armed = path, False
-
-    def on_batch_end(self, trainer, state):
-        if self.armed and state.global_step == 5:
-            trainer.save_checkpoint(self.path)
-
-    def on_batch_start(self, state):
-        if self.armed and state.global_step == 5:
-            raise KeyboardInterrupt
-
-
-def _final(learner, path):
-    learner.save_checkpoint(path)
-    tree = read_checkpoint(path)
-    return {"model": tree["model"], "listeners": tree["listeners"]}
-
-
 def test_resumed_update_repeats_the_same_augmentations(tmp_path):
     tasks = [_task(0), _task(1)]
     reference = _learner()
     for task in tasks:
         reference.fit(task)
-    expected = _final(reference, tmp_path / "reference.safetensors")
+    expected = model_and_listeners(reference, tmp_path / "reference.safetensors")
 
     trainer = Trainer(max_epochs=2, device="cpu")
-    crash = SaveThenCrash(tmp_path / "mid.safetensors")
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", 5)
     trainer.subscribe(crash, priority=10, name="crash")
     learner = _learner(trainer)
     learner.fit(tasks[0])
@@ -291,7 +274,7 @@ def test_resumed_update_repeats_the_same_augmentations(tmp_path):
         learner.fit(tasks[1])
     resumed = _learner()
     resumed.fit(tasks[1], resume_from=tmp_path / "mid.safetensors")
-    assert_same_tree(expected, _final(resumed, tmp_path / "resumed.safetensors"))
+    assert_same_tree(expected, model_and_listeners(resumed, tmp_path / "resumed.safetensors"))
 
     # Without the transforms' draws in the checkpointed RNG the runs would differ: a run whose
     # augmentations differ ends elsewhere.

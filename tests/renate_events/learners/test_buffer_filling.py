@@ -23,8 +23,8 @@ from renate_events.methods import (
     SuperExperienceReplayLearner,
 )
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_same_tree
-from trainer import Trainer, read_checkpoint
+from tests.helpers import SaveThenCrash, assert_same_tree, model_and_listeners
+from trainer import Trainer
 
 
 def _data(n=16, seed=0, classes=(0, 1, 2, 3)):
@@ -144,34 +144,15 @@ def test_step_filling_is_unchanged_and_the_default():
     assert OfflineExperienceReplayLearner(model=_model()).buffer_filling == "end"
 
 
-class _SaveThenCrash:
-    def __init__(self, path, step):
-        self.path, self.step, self.armed = path, step, False
-
-    def on_batch_end(self, trainer, state):
-        if self.armed and state.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-    def on_batch_start(self, state):
-        if self.armed and state.global_step == self.step:
-            raise KeyboardInterrupt
-
-
-def _final(learner, path):
-    learner.save_checkpoint(path)
-    tree = read_checkpoint(path)
-    return {"model": tree["model"], "listeners": tree["listeners"]}
-
-
 def test_a_resumed_update_fills_once_at_its_end_like_an_uninterrupted_one(tmp_path):
     tasks = [_data(n=24, seed=0), _data(n=24, seed=1)]
     reference = _learner(trainer=Trainer(max_epochs=2, device="cpu"))
     for task in tasks:
         reference.fit(task)
-    expected = _final(reference, tmp_path / "reference.safetensors")
+    expected = model_and_listeners(reference, tmp_path / "reference.safetensors")
 
     trainer = Trainer(max_epochs=2, device="cpu")
-    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # mid-epoch 2 of update 2
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # mid-epoch 2 of update 2
     trainer.subscribe(crash, priority=10, name="crash")
     learner = _learner(trainer=trainer)
     learner.fit(tasks[0])
@@ -186,14 +167,14 @@ def test_a_resumed_update_fills_once_at_its_end_like_an_uninterrupted_one(tmp_pa
     resumed = _learner(trainer=Trainer(max_epochs=2, device="cpu"))
     resumed.fit(tasks[1], resume_from=tmp_path / "mid.safetensors")
     assert resumed.buffer.num_seen == 48
-    assert_same_tree(expected, _final(resumed, tmp_path / "resumed.safetensors"))
+    assert_same_tree(expected, model_and_listeners(resumed, tmp_path / "resumed.safetensors"))
 
     # Resuming from a checkpoint written after the fill does not fill a second time.
     again = _learner(trainer=Trainer(max_epochs=2, device="cpu"))
     with pytest.warns(UserWarning, match="finished run"):
         again.fit(tasks[1], resume_from=tmp_path / "resumed.safetensors")
     assert again.buffer.num_seen == 48
-    final = _final(again, tmp_path / "again.safetensors")
+    final = model_and_listeners(again, tmp_path / "again.safetensors")
     assert_same_tree(expected["listeners"], final["listeners"])
 
 

@@ -24,6 +24,7 @@ from renate_events.models import MultiHeadClassificationModel, mlp, resnet18
 from renate_events.scenarios import Task
 from renate_events.state_folder import StateFolderError
 from renate_events.updater import ModelUpdater, UpdateInputError
+from tests.helpers import SaveThenCrash
 from trainer import Trainer
 from trainer.validators import WrongTypeError
 
@@ -200,21 +201,6 @@ def test_checkpoint_round_trip_keeps_the_task_ids(tmp_path) -> None:
     assert torch.equal(stored, written) and set(stored.tolist()) == {0, 1, 2}
 
 
-class _SaveThenCrash:
-    """Saves at the batch_end of step 7 of an update and dies at the next batch_start."""
-
-    def __init__(self, path) -> None:
-        self.path, self.armed = path, False
-
-    def on_batch_end(self, trainer, state) -> None:
-        if self.armed and state.global_step == 7:
-            trainer.save_checkpoint(self.path)
-
-    def on_batch_start(self, state) -> None:
-        if self.armed and state.global_step == 7:
-            raise KeyboardInterrupt
-
-
 def test_resume_mid_update_with_heads_is_bit_identical(tmp_path) -> None:
     tasks = [_task_data(0, n=40), _task_data(1, n=40)]
 
@@ -229,7 +215,7 @@ def test_resume_mid_update_with_heads_is_bit_identical(tmp_path) -> None:
     for task in tasks:
         reference.fit(task)
     trainer = Trainer(max_epochs=2, device="cpu")
-    crash = _SaveThenCrash(tmp_path / "mid.safetensors")
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", 7)
     trainer.subscribe(crash, priority=10, name="crash")
     crashed = setup(trainer)
     crashed.fit(tasks[0])

@@ -13,7 +13,7 @@ from renate_events.components import WeightedCustomLossComponent
 from renate_events.methods import LEARNERS, RepeatedDistillationLearner
 from renate_events.methods.repeated_distill import DistillationData, double_distillation_loss
 from renate_events.updater import ModelUpdater
-from tests.helpers import assert_same_tree, parameters_of
+from tests.helpers import SaveThenCrash, assert_same_tree, model_and_listeners, parameters_of
 from trainer import Trainer, read_checkpoint
 
 
@@ -160,34 +160,15 @@ def test_a_failed_update_leaves_model_and_buffer_unchanged(phase):
     assert_same_tree(buffer, learner.buffer.state_dict())
 
 
-class _SaveThenCrash:
-    def __init__(self, path):
-        self.path, self.armed = path, False
-
-    def on_batch_end(self, trainer, state):
-        if self.armed and state.global_step == 4:
-            trainer.save_checkpoint(self.path)
-
-    def on_batch_start(self, state):
-        if self.armed and state.global_step == 4:
-            raise KeyboardInterrupt
-
-
-def _final(learner, path):
-    learner.save_checkpoint(path)
-    tree = read_checkpoint(path)
-    return {"model": tree["model"], "listeners": tree["listeners"]}
-
-
 def test_a_checkpoint_of_the_distillation_resumes_bit_identically(tmp_path):
     tasks = [_data(n=16, seed=0), _data(n=24, seed=1)]
     reference = _learner()
     for task in tasks:
         reference.fit(task)
-    expected = _final(reference, tmp_path / "reference.safetensors")
+    expected = model_and_listeners(reference, tmp_path / "reference.safetensors")
 
     trainer = Trainer(max_epochs=2, device="cpu")
-    crash = _SaveThenCrash(tmp_path / "mid.safetensors")
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", 4)
     trainer.subscribe(crash, priority=10, name="crash")
     learner = _learner(trainer=trainer)
     learner.fit(tasks[0])
@@ -197,7 +178,7 @@ def test_a_checkpoint_of_the_distillation_resumes_bit_identically(tmp_path):
 
     resumed = _learner()
     resumed.fit(tasks[1], resume_from=tmp_path / "mid.safetensors")
-    assert_same_tree(expected, _final(resumed, tmp_path / "resumed.safetensors"))
+    assert_same_tree(expected, model_and_listeners(resumed, tmp_path / "resumed.safetensors"))
 
 
 def test_updates_through_state_folders(tmp_path):

@@ -16,10 +16,12 @@ from renate_events.methods import LEARNERS, ExtendedDarkExperienceReplayLearner,
 from renate_events.methods.xder import transplant_logits
 from renate_events.updater import ModelUpdater
 from tests.helpers import (
+    SaveThenCrash,
     assert_next_update_steps_do_not_sync,
     assert_same_tree,
     labelled,
     make_model,
+    model_and_listeners,
     parameters_of,
 )
 from trainer import Trainer, read_checkpoint
@@ -338,27 +340,6 @@ def test_the_step_makes_no_host_sync_on_cuda():
     assert_next_update_steps_do_not_sync(learner, first, batch)
 
 
-class _SaveThenCrash:
-    """Writes the trainer's checkpoint after step ``step``, then interrupts the update."""
-
-    def __init__(self, path, step):
-        self.path, self.step, self.armed = path, step, False
-
-    def on_batch_end(self, trainer, state):
-        if self.armed and state.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-    def on_batch_start(self, state):
-        if self.armed and state.global_step == self.step:
-            raise KeyboardInterrupt
-
-
-def _state(learner, path):
-    learner.save_checkpoint(path)
-    tree = read_checkpoint(path)
-    return {"model": tree["model"], "listeners": tree["listeners"]}
-
-
 def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
     """The replay counts and the past classes survive a checkpoint in the middle of an update:
     a fresh learner resumed from it ends with the same model and the same stored logits."""
@@ -370,10 +351,10 @@ def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
     reference = learner()
     reference.fit(first)
     reference.fit(second)
-    expected = _state(reference, tmp_path / "reference.safetensors")
+    expected = model_and_listeners(reference, tmp_path / "reference.safetensors")
 
     trainer = Trainer(max_epochs=2, device="cpu")
-    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # in epoch 2 of update 2
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", step=4)  # in epoch 2 of update 2
     trainer.subscribe(crash, name="crash")
     interrupted = learner(trainer)
     interrupted.fit(first)
@@ -384,13 +365,13 @@ def test_a_resumed_update_ends_as_the_uninterrupted_one(tmp_path):
 
     resumed = learner()
     resumed.fit(second, resume_from=tmp_path / "mid.safetensors")
-    assert_same_tree(expected, _state(resumed, tmp_path / "resumed.safetensors"))
+    assert_same_tree(expected, model_and_listeners(resumed, tmp_path / "resumed.safetensors"))
 
 
 @pytest.mark.hostile
 def test_replay_counts_of_the_wrong_kind_are_refused_on_load(tmp_path):
     trainer = Trainer(max_epochs=1, device="cpu")
-    crash = _SaveThenCrash(tmp_path / "mid.safetensors", step=2)
+    crash = SaveThenCrash(tmp_path / "mid.safetensors", step=2)
     trainer.subscribe(crash, name="crash")
     learner = _learner(_model(), trainer=trainer)
     learner.fit(labelled([0, 1] * 8, seed=0))
