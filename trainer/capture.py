@@ -423,6 +423,7 @@ def _guarded(
     (the next replay overwrites it, and listeners or the trainer may keep a loss), and a graph
     that inductor would not record warns once (it runs compiled, without CUDA graphs)."""
     graph, warned = mode == "graph", False
+    refusing = _refusing_breaks()  # one switch for every call (it keeps a stack: reentrant)
 
     @functools.wraps(original)
     def run(batch: Any) -> Any:
@@ -433,7 +434,7 @@ def _guarded(
                 torch.compiler.cudagraph_mark_step_begin()
             # strict from the step's own first frame: where its guards fail at every call, the
             # recompile limit is a refusal there too (else dynamo runs that frame eagerly)
-            with _refusing_breaks():
+            with refusing:
                 result = compiled(batch)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CaptureError(_capture_failure(mode, original, exc)) from exc
