@@ -245,6 +245,44 @@ def test_a_step_of_many_eager_parts_stays_below_the_recompile_limit(tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
 
+class _Steps:
+    """The fit (from 1) and the step in it (from 0) that the trainer is at, and whether it is
+    inside that step (a learner's checks also run the model, before a fit's first step)."""
+
+    def __init__(self) -> None:
+        self.fit, self.step, self.inside = 0, 0, False
+
+    def on_train_start(self) -> None:
+        self.fit, self.step = self.fit + 1, 0
+
+    def on_batch_start(self) -> None:
+        self.inside = True
+
+    def on_batch_end(self) -> None:
+        self.step, self.inside = self.step + 1, False
+
+
+@pytest.mark.usefixtures("aot_eager")
+@pytest.mark.parametrize("capture", ["off", "compile"])
+def test_the_first_step_of_every_fit_runs_eagerly_and_no_later_one(capture):
+    """The first fit of an update, and each fit's first step, has an answer (docs/capture.rst,
+    "Shapes"): its step runs eagerly (its checks of the batch against the buffer and the model),
+    the steps after it run captured, with memory or without."""
+    learner, data = _er(capture, "cpu")
+    at, eager = _Steps(), set()
+    learner.trainer.subscribe(at)
+
+    def note(module: Any, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling() and at.inside:  # a traced call notes nothing
+            eager.add((at.fit, at.step))
+
+    learner.model.register_forward_hook(note)
+    for task in range(2):
+        learner.fit(data(task))
+    steps = range(BATCHES) if capture == "off" else range(1)
+    assert eager == {(fit, step) for fit in (1, 2) for step in steps}
+
+
 def _filling(capture: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
     """DER++ on an MLP, a memory of 12 slots that replays once it holds a memory batch of 8,
     epochs ending in a partial batch of 5 (shapes the first graphs did not see)."""
