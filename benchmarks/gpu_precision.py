@@ -7,7 +7,8 @@ step of ``DarkExperienceReplayLearner`` + ``Trainer`` in fp32 and bf16-mixed, ea
 hand-written fp32 loop with TF32 off everywhere (torch's default allows TF32 in cuDNN
 convolutions, so the bare loop under the default is listed too). TF32 needs an Ampere GPU or
 later; on the CPU (``--cpu-dry-run``) the switches change nothing, and two learner rows (fp32 with
-both switches off, bf16 with both on) only check the code paths.
+both switches off, bf16 with both on) only check the code paths. As in section 4 of
+``gpu_check.py``, each run's first two steps are left out of its time (``SETTLE``).
 
 ``gpu_check.py`` calls :func:`section` with itself (its learner, bare loop and sizes); run alone,
 ``python benchmarks/gpu_precision.py [--steps 40] [--rounds 3] [--cpu-dry-run]`` does the same.
@@ -50,21 +51,30 @@ def _bare(check: ModuleType, nf: int, loader: Any, device: torch.device, tf32: b
     if tf32 is None:  # torch's default: TF32 in cuDNN convolutions, not in matmuls
         return bare.run
 
-    def run() -> None:
+    def run() -> float:
         with tf32_everywhere(tf32):
-            bare.run()
+            return bare.run()
 
     return run
 
 
 def _learner(
-    check: ModuleType, nf: int, precision: str, switches: tuple[bool, bool], warm: Any, device: Any
+    check: ModuleType,
+    nf: int,
+    precision: str,
+    switches: tuple[bool, bool],
+    loaders: tuple[Any, Any],
+    device: Any,
 ) -> Callable[[], Any]:
+    """A timed run of the learner: one fit over ``loader``, its steady steps' seconds."""
     tf32, channels_last = switches
+    loader, warm = loaders
     learner = check.make_image_learner(nf, precision, device)
     learner.trainer.tf32, learner.trainer.channels_last = tf32, channels_last
     learner.fit(warm)  # fills the memory
-    return learner.fit
+    clock = check.SteadyClock(device, len(loader))
+    learner.trainer.subscribe(clock)
+    return lambda: clock.fit(learner, loader)
 
 
 def _combinations(precisions: Any, device: torch.device) -> list[tuple[str, bool, bool]]:
@@ -98,13 +108,15 @@ def section(check: ModuleType, device: torch.device, steps: int, rounds: int) ->
                 f"learner {'fp32' if precision == '32' else precision}, "
                 f"tf32={tf32}, channels_last={channels_last}"
             )
-            fit = _learner(check, nf, precision, (tf32, channels_last), warm, device)
-            variants[name] = lambda fit=fit: fit(loader)
-        medians = check.measure(variants, steps, rounds, device)
+            switches = (tf32, channels_last)
+            variants[name] = _learner(check, nf, precision, switches, (loader, warm), device)
+        # the steady steps, as in section 4 (a fit's first steps are its own: see SETTLE)
+        medians = check.measure(variants, steps - check.SETTLE, rounds, device)
         check.print_times(
             f"(5) precision rows: DER++ image step, resnet18(nf={nf}), batch "
             f"{check.IMAGE_BATCH} + memory batch {check.IMAGE_BATCH}, {check.IMAGE_MEMORY} uint8 "
-            f"slots on the GPU, CIFAR preset; Trainer(tf32=..., channels_last=...)",
+            f"slots on the GPU, CIFAR preset; Trainer(tf32=..., channels_last=...); the steady "
+            f"steps of each run (its first {check.SETTLE} left out)",
             medians,
             "bare DER++ loop, fp32, TF32 off",
         )

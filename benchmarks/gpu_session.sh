@@ -14,6 +14,8 @@ SUITE_S="${2:-200}"
 OUT="${OUT:-gpu_out}"
 STAGES="${STAGES:-tests check suite}"
 has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# A stage stopped by its time limit says so (its log ends where it was cut, without a total).
+cut() { [ "$1" = 124 ] && echo "== $2 stopped at its time limit ($3 s): what is above is partial"; }
 mkdir -p "$OUT"
 if [ -d .whl ] && [ -z "$DRY" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,8 +37,13 @@ if [ -z "$DRY" ] && has tests; then
     echo "== pytest -m gpu"
     timeout "${GPU_TESTS_S:-240}" $PY -m pytest -v -p no:cacheprovider -m gpu -rfEs \
         ${XDIST_OK:+-n 6} 2>&1 | tee "$OUT/pytest_gpu.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
+    cut "${PIPESTATUS[0]}" "pytest -m gpu" "${GPU_TESTS_S:-240}"
 fi
-has check && echo "== gpu_check.py $DRY" && timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
+if has check; then
+    echo "== gpu_check.py $DRY"
+    timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
+    cut "${PIPESTATUS[0]}" "gpu_check.py" "$CHECK_S"
+fi
 if [ -z "$DRY" ] && has suite; then
     echo "== the whole suite"
     NPROC=$($PY -c "import os; print(min(12, os.cpu_count() or 1))")
@@ -45,4 +52,5 @@ if [ -z "$DRY" ] && has suite; then
     # -v logs each result as it comes, so failures are known even if the time limit cuts the run
     timeout "$SUITE_S" $PY -m pytest -v -p no:cacheprovider $XDIST -rfE -W ignore 2>&1 \
         | tee "$OUT/suite.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
+    cut "${PIPESTATUS[0]}" "the whole suite" "$SUITE_S"
 fi
