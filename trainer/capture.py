@@ -47,6 +47,7 @@ import os
 import re
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
@@ -260,12 +261,23 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
     """What a fit in ``mode`` calls as ``stepper(first=...)`` for an optimizer step (``first``:
     the fit's first): ``optimizer.step()`` for ``"off"``, else a :class:`CompiledOptimizerStep`."""
     if mode != "off":
-        return CompiledOptimizerStep(optimizer)
+        last = _LAST_STEP[0] if _LAST_STEP else None
+        if last is not None and last._optimizer() is optimizer:
+            last.new_fit()  # the previous fit's optimizer: its compiled step is reused
+            return last
+        _LAST_STEP[:] = [CompiledOptimizerStep(optimizer)]
+        return _LAST_STEP[0]
 
     def step(first: bool) -> None:
         optimizer.step()
 
     return step
+
+
+# The stepper of the latest captured fit (it holds its optimizer weakly): a fit that steps the
+# same optimizer again (a Trainer fitted epoch by epoch, a benchmark's rounds) reuses its
+# compiled step instead of tracing and compiling optimizer.step() anew (seconds per fit).
+_LAST_STEP: list[CompiledOptimizerStep] = []
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -288,12 +300,16 @@ class CompiledOptimizerStep:
     * Any other hyperparameter (momentum, betas, weight decay, the groups and their sizes) is
       compiled in as a constant: when one changes during the fit (a ``OneCycleLR`` cycling
       momentum, a group added), the step warns once and runs eagerly for the rest of the fit.
-    * Each new instance (each fit) drops the compiled steps of earlier optimizers, so that the
-      fits of a long run do not pile up towards dynamo's recompile limit.
+    * Each new instance drops the compiled steps of earlier optimizers, so that the fits of a
+      long run do not pile up towards dynamo's recompile limit. A fit whose optimizer is the
+      previous captured fit's reuses that fit's instance (:func:`optimizer_stepper`), compiled
+      step included; :meth:`new_fit` starts its per-fit bookkeeping afresh.
+    * The optimizer is held weakly: the instance kept for the next fit keeps no optimizer (and
+      no optimizer state on a GPU) alive.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
         self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
         self.eager = False
         self.traced = False  # the compiled step has been traced once
@@ -304,6 +320,22 @@ class CompiledOptimizerStep:
                 reset_code(code)
         self.compiled = torch.compile(_optimizer_step)
         _prepare_eager()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer this instance steps."""
+        optimizer = self._optimizer()
+        if optimizer is None:  # pragma: no cover - a fit holds its optimizer while it steps
+            raise ReferenceError("the optimizer of this CompiledOptimizerStep no longer exists")
+        return optimizer
+
+    def new_fit(self) -> None:
+        """Start a fit with this instance: the hyperparameters are taken afresh at its first
+        compiled step, and a step made eager by an earlier fit's change is compiled again."""
+        self.settings, self.eager = None, False
+        groups = len(self.optimizer.param_groups)
+        if len(self.lrs) != groups:  # a group added since: a learning rate tensor for each
+            self.lrs = [torch.zeros((), dtype=torch.float32) for _ in range(groups)]
 
     def __call__(self, first: bool) -> None:
         """One optimizer step; ``first``: the fit's first (run eagerly)."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import logging
 import re
 import warnings
+import weakref
 
 import attrs
 import pytest
@@ -22,6 +24,7 @@ from trainer.capture import (
     capture_mode,
     capture_steps,
     eager,
+    optimizer_stepper,
 )
 
 
@@ -451,6 +454,41 @@ def test_many_fits_in_one_process_stay_below_the_recompile_limit(caplog):
             trainer.fit(model, optimizer, loader, classification_step(model))
             assert trainer.state.optimizer_steps == 3
     assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_fits_that_step_the_same_optimizer_compile_its_step_once():
+    """A fit reusing the previous captured fit's optimizer reuses its compiled step: the rounds
+    of gpu_check.py (one learner, one optimizer, a fit per round) timed its compilation in
+    every round. The parameters are the eager fits' to float tolerance."""
+    loader = make_loader(make_data(n=32), batch_size=8, shuffle=False)
+    models, graphs = [], []
+    for capture in ("off", "compile"):
+        model = make_model(seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for fit in range(3):
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            trainer = Trainer(max_epochs=1, device="cpu", capture=capture)
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            if capture == "compile" and fit:
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        models.append(model)
+    assert graphs == [0, 0]
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_step_kept_for_the_next_fit_keeps_no_optimizer_alive():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = optimizer_stepper("compile", optimizer)
+    assert optimizer_stepper("compile", optimizer) is stepper
+    gone = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert gone() is None
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert optimizer_stepper("compile", other) is not stepper
 
 
 @pytest.mark.usefixtures("aot_eager")
