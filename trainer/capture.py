@@ -64,6 +64,7 @@ __all__ = [
     "check_capture_device",
     "eager",
     "graph_device_problem",
+    "keep_gradients",
     "keep_in_step",
     "optimizer_stepper",
 ]
@@ -173,6 +174,23 @@ def keep_in_step(instance: Any, name: str, value: Any) -> None:
     (an eager call inside a loop makes dynamo give up the whole step: "graph break in loop").
     """
     object.__setattr__(instance, name, value)
+
+
+def keep_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Copy the gradients of ``optimizer``'s parameters out of CUDA-graph memory.
+
+    Under ``capture="graph"`` the backward pass is replayed from a CUDA graph and the gradients
+    it leaves in ``.grad`` live in the graph's memory pool, which the next step's replay
+    reuses: gradients summed over several steps (``accumulate_grad_batches > 1``) would be read
+    after being overwritten (torch refuses: "accessing tensor output of CUDAGraphs that has
+    been overwritten by a subsequent run", pytorch issue 169545). The trainer calls this after
+    each backward pass of an accumulation window that no optimizer step follows: one copy of
+    the gradients per such step, only in that mode.
+    """
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is not None:
+                parameter.grad = parameter.grad.clone()
 
 
 _FALLBACK = "run it eagerly with capture='off'"  # the command line shows it as its flag

@@ -24,6 +24,7 @@ from trainer.capture import (
     capture_mode,
     capture_steps,
     eager,
+    keep_gradients,
     optimizer_stepper,
 )
 
@@ -340,6 +341,21 @@ def test_captured_losses_on_cuda_are_the_eager_ones(capture, kwargs):
     eager = _fit_losses("off", "cuda", **kwargs)
     captured = _fit_losses(capture, "cuda", **kwargs)
     assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_kept_gradients_are_copies_of_the_same_values():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data(n=8).tensors
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    before = {p: p.grad for p in model.parameters()}
+    keep_gradients(optimizer)
+    for parameter, grad in before.items():
+        assert parameter.grad is not grad and torch.equal(parameter.grad, grad)
+        assert parameter.grad.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # accumulates into the copies
+    for parameter, grad in before.items():
+        torch.testing.assert_close(parameter.grad, 2 * grad)
 
 
 def _twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
