@@ -279,12 +279,17 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
     """What a fit in ``mode`` calls as ``stepper(first=...)`` for an optimizer step (``first``:
     the fit's first): ``optimizer.step()`` for ``"off"``, else a :class:`CompiledOptimizerStep`."""
     if mode != "off":
-        last = _LAST_STEP[0] if _LAST_STEP else None
-        if last is not None and last._optimizer() is optimizer:
-            last.new_fit()  # the previous fit's optimizer: its compiled step is reused
-            return last
-        _LAST_STEP[:] = [CompiledOptimizerStep(optimizer)]
-        return _LAST_STEP[0]
+        for kept in _STEPPERS:
+            if kept._optimizer() is optimizer:  # an earlier fit's optimizer: its compiled step
+                kept.new_fit()
+                return kept
+        full = len(_STEPPERS) >= _KEPT_STEPPERS
+        if full:  # every compiled step is dropped: the live optimizers' compile theirs again
+            live = [kept for kept in _STEPPERS if kept._optimizer() is not None]
+            _STEPPERS[:] = live[len(live) - _KEPT_STEPPERS + 1 :]
+        stepper = CompiledOptimizerStep(optimizer, reset=full or not _STEPPERS)
+        _STEPPERS.append(stepper)
+        return stepper
 
     def step(first: bool) -> None:
         optimizer.step()
@@ -292,15 +297,20 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
     return step
 
 
-# The stepper of the latest captured fit (it holds its optimizer weakly): a fit that steps the
-# same optimizer again (a Trainer fitted epoch by epoch, a benchmark's rounds) reuses its
-# compiled step instead of tracing and compiling optimizer.step() anew (seconds per fit).
-_LAST_STEP: list[CompiledOptimizerStep] = []
+# The steppers made since the compiled optimizer steps were last dropped (each holds its
+# optimizer weakly): a fit that steps one of their optimizers again (a Trainer fitted epoch by
+# epoch, a benchmark's interleaved rounds) reuses its compiled step instead of tracing and
+# compiling optimizer.step() anew (seconds a fit). A new optimizer past the first few drops
+# every compiled step (the steppers of live optimizers are kept and compile again), so that
+# the variants of the step's frames (one per optimizer) stay well below dynamo's recompile
+# limit (8) in a run of many updates.
+_STEPPERS: list[CompiledOptimizerStep] = []
+_KEPT_STEPPERS = 4
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """The function a :class:`CompiledOptimizerStep` compiles (one code object, whose cache
-    each new instance clears)."""
+    """The function a :class:`CompiledOptimizerStep` compiles (one code object, whose cache a
+    new instance clears)."""
     optimizer.step()
 
 
@@ -318,22 +328,23 @@ class CompiledOptimizerStep:
     * Any other hyperparameter (momentum, betas, weight decay, the groups and their sizes) is
       compiled in as a constant: when one changes during the fit (a ``OneCycleLR`` cycling
       momentum, a group added), the step warns once and runs eagerly for the rest of the fit.
-    * Each new instance drops the compiled steps of earlier optimizers, so that the fits of a
-      long run do not pile up towards dynamo's recompile limit. A fit whose optimizer is the
-      previous captured fit's reuses that fit's instance (:func:`optimizer_stepper`), compiled
-      step included; :meth:`new_fit` starts its per-fit bookkeeping afresh.
+    * A new instance drops the compiled steps of earlier optimizers (unless ``reset=False``),
+      so that the fits of a long run do not pile up towards dynamo's recompile limit.
+      :func:`optimizer_stepper` keeps the instances of the last few optimizers: a fit whose
+      optimizer an earlier captured fit stepped reuses that fit's instance, compiled step
+      included; :meth:`new_fit` starts its per-fit bookkeeping afresh.
     * The optimizer is held weakly: the instance kept for the next fit keeps no optimizer (and
       no optimizer state on a GPU) alive.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, reset: bool = True) -> None:
         self._optimizer = weakref.ref(optimizer)
         self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
         self.eager = False
         self.traced = False  # the compiled step has been traced once
         self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
         reset_code = getattr(torch._dynamo, "reset_code", None)
-        if reset_code is not None:  # every frame of the step: ours and the optimizer's
+        if reset and reset_code is not None:  # every frame of the step: ours and the optimizer's
             for code in _step_codes(optimizer):
                 reset_code(code)
         self.compiled = torch.compile(_optimizer_step)

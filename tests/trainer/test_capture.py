@@ -494,6 +494,24 @@ def test_fits_that_step_the_same_optimizer_compile_its_step_once():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("aot_eager")
+def test_fits_alternating_between_two_optimizers_compile_each_step_once():
+    """gpu_check.py's interleaved rounds: the compiled and the captured learner, each with its
+    own optimizer, fit in turn; neither compiles its optimizer step again (after the first
+    rounds: the steppers of earlier tests' optimizers may fill the kept ones once)."""
+    loader = make_loader(make_data(n=32), batch_size=8, shuffle=False)
+    models = [make_model(seed=0), make_model(seed=1)]
+    optimizers = [torch.optim.Adam(model.parameters(), lr=0.01) for model in models]
+    graphs = []
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers):
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+    assert graphs[-2:] == [0, 0]
+
+
 def test_the_compiled_step_kept_for_the_next_fit_keeps_no_optimizer_alive():
     model = make_model(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
