@@ -283,11 +283,12 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
             if kept._optimizer() is optimizer:  # an earlier fit's optimizer: its compiled step
                 kept.new_fit()
                 return kept
-        full = len(_STEPPERS) >= _KEPT_STEPPERS
-        if full:  # every compiled step is dropped: the live optimizers' compile theirs again
-            live = [kept for kept in _STEPPERS if kept._optimizer() is not None]
+        live = [kept for kept in _STEPPERS if kept._optimizer() is not None]
+        # a compiled step keeps its optimizer's state alive: one of a dead optimizer is dropped
+        reset = not live or len(live) < len(_STEPPERS) or len(live) >= _KEPT_STEPPERS
+        if reset:  # every compiled step is dropped: the live optimizers' compile theirs again
             _STEPPERS[:] = live[len(live) - _KEPT_STEPPERS + 1 :]
-        stepper = CompiledOptimizerStep(optimizer, reset=full or not _STEPPERS)
+        stepper = CompiledOptimizerStep(optimizer, reset=reset)
         _STEPPERS.append(stepper)
         return stepper
 
@@ -300,10 +301,11 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
 # The steppers made since the compiled optimizer steps were last dropped (each holds its
 # optimizer weakly): a fit that steps one of their optimizers again (a Trainer fitted epoch by
 # epoch, a benchmark's interleaved rounds) reuses its compiled step instead of tracing and
-# compiling optimizer.step() anew (seconds a fit). A new optimizer past the first few drops
-# every compiled step (the steppers of live optimizers are kept and compile again), so that
-# the variants of the step's frames (one per optimizer) stay well below dynamo's recompile
-# limit (8) in a run of many updates.
+# compiling optimizer.step() anew (seconds a fit). A new optimizer drops every compiled step
+# (the steppers of live optimizers are kept and compile again) when one of the kept ones is
+# gone (its compiled step holds the optimizer's state) or past the first few, so that the
+# variants of the step's frames (one per optimizer) stay well below dynamo's recompile limit
+# (8) and no dead optimizer's state stays in memory in a run of many updates.
 _STEPPERS: list[CompiledOptimizerStep] = []
 _KEPT_STEPPERS = 4
 
