@@ -25,9 +25,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=python3
 [ -n "$DRY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 $PY - <<'PY'
-import sys, torch
+import importlib.util, shutil, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+# inductor: triton (and a C compiler for its launchers) on CUDA; a C++ compiler for the CPU
+# kernels of a compiled optimizer step (the 0-d CPU learning rate, Adam's CPU step counts)
+triton = importlib.util.find_spec("triton") is not None
+print("triton", __import__("triton").__version__ if triton else "MISSING",
+      {name: shutil.which(name) or "MISSING" for name in ("cc", "gcc", "g++")})
 PY
 XDIST_OK=""
 $PY -c "import xdist" 2>/dev/null && XDIST_OK=1

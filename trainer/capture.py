@@ -47,6 +47,7 @@ import os
 import re
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
@@ -63,6 +64,7 @@ __all__ = [
     "check_capture_device",
     "eager",
     "graph_device_problem",
+    "keep_gradients",
     "keep_in_step",
     "optimizer_stepper",
 ]
@@ -174,6 +176,23 @@ def keep_in_step(instance: Any, name: str, value: Any) -> None:
     object.__setattr__(instance, name, value)
 
 
+def keep_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Copy the gradients of ``optimizer``'s parameters out of CUDA-graph memory.
+
+    Under ``capture="graph"`` the backward pass is replayed from a CUDA graph and the gradients
+    it leaves in ``.grad`` live in the graph's memory pool, which the next step's replay
+    reuses: gradients summed over several steps (``accumulate_grad_batches > 1``) would be read
+    after being overwritten (torch refuses: "accessing tensor output of CUDAGraphs that has
+    been overwritten by a subsequent run", pytorch issue 169545). The trainer calls this after
+    each backward pass of an accumulation window that no optimizer step follows: one copy of
+    the gradients per such step, only in that mode.
+    """
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is not None:
+                parameter.grad = parameter.grad.clone()
+
+
 _FALLBACK = "run it eagerly with capture='off'"  # the command line shows it as its flag
 
 
@@ -260,7 +279,18 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
     """What a fit in ``mode`` calls as ``stepper(first=...)`` for an optimizer step (``first``:
     the fit's first): ``optimizer.step()`` for ``"off"``, else a :class:`CompiledOptimizerStep`."""
     if mode != "off":
-        return CompiledOptimizerStep(optimizer)
+        for kept in _STEPPERS:
+            if kept._optimizer() is optimizer:  # an earlier fit's optimizer: its compiled step
+                kept.new_fit()
+                return kept
+        live = [kept for kept in _STEPPERS if kept._optimizer() is not None]
+        # a compiled step keeps its optimizer's state alive: one of a dead optimizer is dropped
+        reset = not live or len(live) < len(_STEPPERS) or len(live) >= _KEPT_STEPPERS
+        if reset:  # every compiled step is dropped: the live optimizers' compile theirs again
+            _STEPPERS[:] = live[len(live) - _KEPT_STEPPERS + 1 :]
+        stepper = CompiledOptimizerStep(optimizer, reset=reset)
+        _STEPPERS.append(stepper)
+        return stepper
 
     def step(first: bool) -> None:
         optimizer.step()
@@ -268,9 +298,21 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
     return step
 
 
+# The steppers made since the compiled optimizer steps were last dropped (each holds its
+# optimizer weakly): a fit that steps one of their optimizers again (a Trainer fitted epoch by
+# epoch, a benchmark's interleaved rounds) reuses its compiled step instead of tracing and
+# compiling optimizer.step() anew (seconds a fit). A new optimizer drops every compiled step
+# (the steppers of live optimizers are kept and compile again) when one of the kept ones is
+# gone (its compiled step holds the optimizer's state) or past the first few, so that the
+# variants of the step's frames (one per optimizer) stay well below dynamo's recompile limit
+# (8) and no dead optimizer's state stays in memory in a run of many updates.
+_STEPPERS: list[CompiledOptimizerStep] = []
+_KEPT_STEPPERS = 4
+
+
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """The function a :class:`CompiledOptimizerStep` compiles (one code object, whose cache
-    each new instance clears)."""
+    """The function a :class:`CompiledOptimizerStep` compiles (one code object, whose cache a
+    new instance clears)."""
     optimizer.step()
 
 
@@ -288,22 +330,43 @@ class CompiledOptimizerStep:
     * Any other hyperparameter (momentum, betas, weight decay, the groups and their sizes) is
       compiled in as a constant: when one changes during the fit (a ``OneCycleLR`` cycling
       momentum, a group added), the step warns once and runs eagerly for the rest of the fit.
-    * Each new instance (each fit) drops the compiled steps of earlier optimizers, so that the
-      fits of a long run do not pile up towards dynamo's recompile limit.
+    * A new instance drops the compiled steps of earlier optimizers (unless ``reset=False``),
+      so that the fits of a long run do not pile up towards dynamo's recompile limit.
+      :func:`optimizer_stepper` keeps the instances of the last few optimizers: a fit whose
+      optimizer an earlier captured fit stepped reuses that fit's instance, compiled step
+      included; :meth:`new_fit` starts its per-fit bookkeeping afresh.
+    * The optimizer is held weakly: the instance kept for the next fit keeps no optimizer (and
+      no optimizer state on a GPU) alive.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, *, reset: bool = True) -> None:
+        self._optimizer = weakref.ref(optimizer)
         self.settings: list[tuple[Any, ...]] | None = None  # what the compiled step assumes
         self.eager = False
         self.traced = False  # the compiled step has been traced once
         self.lrs = [torch.zeros((), dtype=torch.float32) for _ in optimizer.param_groups]
         reset_code = getattr(torch._dynamo, "reset_code", None)
-        if reset_code is not None:  # every frame of the step: ours and the optimizer's
+        if reset and reset_code is not None:  # every frame of the step: ours and the optimizer's
             for code in _step_codes(optimizer):
                 reset_code(code)
         self.compiled = torch.compile(_optimizer_step)
         _prepare_eager()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer this instance steps."""
+        optimizer = self._optimizer()
+        if optimizer is None:  # pragma: no cover - a fit holds its optimizer while it steps
+            raise ReferenceError("the optimizer of this CompiledOptimizerStep no longer exists")
+        return optimizer
+
+    def new_fit(self) -> None:
+        """Start a fit with this instance: the hyperparameters are taken afresh at its first
+        compiled step, and a step made eager by an earlier fit's change is compiled again."""
+        self.settings, self.eager = None, False
+        groups = len(self.optimizer.param_groups)
+        if len(self.lrs) != groups:  # a group added since: a learning rate tensor for each
+            self.lrs = [torch.zeros((), dtype=torch.float32) for _ in range(groups)]
 
     def __call__(self, first: bool) -> None:
         """One optimizer step; ``first``: the fit's first (run eagerly)."""

@@ -82,6 +82,7 @@ class Run:
         "check_loss",
         "distributed",
         "epochs",
+        "keep_gradients",
         "last_loss",
         "move",
         "optimizer_step",
@@ -118,6 +119,7 @@ class Run:
         self.autocast: Callable[[], Any] = contextlib.nullcontext
         self.payload: dict[str, Any] = {}  # set by the trainer once the run started
         self.epochs = 0
+        self.keep_gradients = False  # set by start_run: see trainer.capture.keep_gradients
         self.last_loss: torch.Tensor | None = None
         self.val_metrics: dict[str, float] = {}
         self.restore_tf32 = _runtime.set_tf32(None)  # nothing to put back; set by start_run
@@ -215,7 +217,9 @@ def start_run(
     run.val_loader = None if run.val_loader is None else ctx.shard(run.val_loader, seed)
     run.move = functools.partial(to_device, device=device, channels_last=trainer.channels_last)
     run.autocast = _runtime.autocast_factory(trainer.precision, device)
-    run.optimizer_step = optimizer_stepper(capture_mode(trainer), optimizer)
+    mode = capture_mode(trainer)
+    run.optimizer_step = optimizer_stepper(mode, optimizer)
+    run.keep_gradients = mode == "graph" and trainer.accumulate_grad_batches > 1
     run.distributed = ctx.enabled
     max_epochs = trainer.max_epochs if trainer.max_epochs or trainer.max_steps else 1
     trainer.state = TrainState(max_epochs=max_epochs, max_steps=trainer.max_steps)

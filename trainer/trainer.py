@@ -32,7 +32,7 @@ import torch
 from trainer import _runtime
 from trainer import distributed as _distributed
 from trainer import validators as _v
-from trainer.capture import CAPTURE_MODES, check_capture_device
+from trainer.capture import CAPTURE_MODES, check_capture_device, keep_gradients
 from trainer.checkpointing import Checkpointer, check_attachable
 from trainer.data import resolve_device
 from trainer.events import Events
@@ -292,11 +292,12 @@ class Trainer(ListenerAPI):
         loss, outputs = split_step_output(outputs)
         self._backward_or_skip(run, loss)
         # Optimizer step when the accumulation window is full or the data ends.
-        limit = state.max_steps
-        last = last or (limit is not None and state.global_step + 1 >= limit)
+        last = last or (state.max_steps is not None and state.global_step + 1 >= state.max_steps)
         # >=: a mid-window checkpoint may be resumed with a smaller accumulate_grad_batches
         if state.accumulated and (state.accumulated >= self.accumulate_grad_batches or last):
             self._optimizer_step(run)
+        elif run.keep_gradients:  # gradients kept for the next step, out of CUDA-graph memory
+            keep_gradients(self.optimizer)  # type: ignore[arg-type]
         state.global_step += 1
         state.resume_at = (state.epoch, batch_idx + 1)
         # Batch end: parameters are updated, the loss is still on the device.

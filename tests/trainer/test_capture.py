@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import logging
 import re
 import warnings
+import weakref
 
 import attrs
 import pytest
@@ -22,6 +24,8 @@ from trainer.capture import (
     capture_mode,
     capture_steps,
     eager,
+    keep_gradients,
+    optimizer_stepper,
 )
 
 
@@ -339,6 +343,21 @@ def test_captured_losses_on_cuda_are_the_eager_ones(capture, kwargs):
     assert captured == pytest.approx(eager, rel=1e-4, abs=1e-5)
 
 
+def test_kept_gradients_are_copies_of_the_same_values():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data(n=8).tensors
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    before = {p: p.grad for p in model.parameters()}
+    keep_gradients(optimizer)
+    for parameter, grad in before.items():
+        assert parameter.grad is not grad and torch.equal(parameter.grad, grad)
+        assert parameter.grad.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # accumulates into the copies
+    for parameter, grad in before.items():
+        torch.testing.assert_close(parameter.grad, 2 * grad)
+
+
 def _twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     model = make_model(seed=0)
     twin = make_model(seed=0)
@@ -451,6 +470,59 @@ def test_many_fits_in_one_process_stay_below_the_recompile_limit(caplog):
             trainer.fit(model, optimizer, loader, classification_step(model))
             assert trainer.state.optimizer_steps == 3
     assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_fits_that_step_the_same_optimizer_compile_its_step_once():
+    """A fit reusing the previous captured fit's optimizer reuses its compiled step: the rounds
+    of gpu_check.py (one learner, one optimizer, a fit per round) timed its compilation in
+    every round. The parameters are the eager fits' to float tolerance."""
+    loader = make_loader(make_data(n=32), batch_size=8, shuffle=False)
+    models, graphs = [], []
+    for capture in ("off", "compile"):
+        model = make_model(seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for fit in range(3):
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            trainer = Trainer(max_epochs=1, device="cpu", capture=capture)
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            if capture == "compile" and fit:
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        models.append(model)
+    assert graphs == [0, 0]
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("aot_eager")
+def test_fits_alternating_between_two_optimizers_compile_each_step_once():
+    """gpu_check.py's interleaved rounds: the compiled and the captured learner, each with its
+    own optimizer, fit in turn; neither compiles its optimizer step again (after the first
+    rounds: the steppers of earlier tests' optimizers may fill the kept ones once)."""
+    loader = make_loader(make_data(n=32), batch_size=8, shuffle=False)
+    models = [make_model(seed=0), make_model(seed=1)]
+    optimizers = [torch.optim.Adam(model.parameters(), lr=0.01) for model in models]
+    graphs = []
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers):
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            trainer = Trainer(max_epochs=1, device="cpu", capture="compile")
+            trainer.fit(model, optimizer, loader, classification_step(model))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+    assert graphs[-2:] == [0, 0]
+
+
+def test_the_compiled_step_kept_for_the_next_fit_keeps_no_optimizer_alive():
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = optimizer_stepper("compile", optimizer)
+    assert optimizer_stepper("compile", optimizer) is stepper
+    gone = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert gone() is None
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert optimizer_stepper("compile", other) is not stepper
 
 
 @pytest.mark.usefixtures("aot_eager")

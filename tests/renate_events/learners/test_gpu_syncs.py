@@ -167,14 +167,19 @@ def test_steps_from_a_buffer_on_the_device_do_not_synchronise(precision):
 def _method(name: str, device: str) -> tuple[Any, Callable[[int], TensorDataset]]:
     """The learner of the registered method ``name`` as the capture tests make it (a small MLP,
     a tiny ViT for the prompt methods, two classes a task), its buffer on ``device`` (but
-    joint training's own store)."""
+    joint training's own store), its data on ``device`` (batches from pageable host memory
+    are copied blockingly: a synchronisation every step)."""
     make = capture_tests._method(name)
     learner, data = make("off", device)
     spec = METHODS[name]
     if not spec.own_buffer:  # a memory-free method given a memory_size fills it too
         learner.buffer = BUFFERS[spec.default_buffer](MEMORY, seed=0, device=device)
     learner.trainer.nonfinite_loss = "off"
-    return learner, data
+
+    def on_device(task: int) -> TensorDataset:
+        return TensorDataset(*(tensor.to(device) for tensor in data(task).tensors))
+
+    return learner, on_device
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
