@@ -13,11 +13,16 @@ from renate_events.cli._data_files import fitted, load_data_file
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
-from renate_events.cli._zoo import check_data_dir, scenario_tasks
+from renate_events.cli._zoo import (
+    check_data_dir,
+    evaluation_tasks,
+    scenario_variants,
+)
 from renate_events.config import ConfigFile
 from renate_events.inference import EVAL_BATCH_SIZE, forward, inference, model_device, pinned
 from renate_events.learners import check_split
 from renate_events.methods import METHODS, method_of
+from renate_events.settings import setting
 from renate_events.state_folder import read_manifest
 from renate_events.updater import dataset_tensors
 from trainer.data import resolve_device
@@ -153,19 +158,25 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     options = check_options(EvaluateOptions, values)
     if options.scenario is not None or options.data_dir is not None:
         check_data_dir(options.scenario, options.data_dir)
+    if options.class_order is not None and options.scenario is None:
+        raise UsageError(
+            "--class-order orders the tasks of a --scenario; give one, or leave it out"
+        )
     if options.config_file is not None:
         return _evaluate_from_config(options)
     if options.chunk_ids is not None:
         raise UsageError("--chunk-ids needs --config-file")
     if options.data is not None:
         data = load_data_file(options.data)
+    else:
+        scenario_variants(options)  # --class-order checked before the state is read
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
     if options.data is not None:
         data = fitted(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
-    else:
-        tasks = scenario_tasks(options.scenario, options.data_dir, options.seed)
+    else:  # the tasks the state's run trained on, as its manifest records them
+        tasks = evaluation_tasks(options.state, updater.metadata, options)
         for task in tasks:  # every task's labels: a later task may exceed the model's classes
             fitted(f"--scenario {options.scenario}", task.test, spec)
     # the data checked first: the classifier's line is printed only for an evaluation that runs
@@ -202,10 +213,11 @@ def _evaluate_from_config(options: Any) -> int:
 
     config, manifest, updater = state_with_config(options)
     chunks = options.chunk_ids or list(range(manifest["updates"]))
+    seed = setting("seed").default if options.seed is None else options.seed
     tasks = []
     for chunk in chunks:  # every chunk read and checked before anything is printed
-        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
-        test = chunk_test_data(config, chunk, options.seed, val, updater.learner_instance)
+        val = None if config.has("test_data_fn") else config.data(chunk, seed)[1]
+        test = chunk_test_data(config, chunk, seed, val, updater.learner_instance)
         classes = tuple(sorted(set(test.tensors[1].tolist())))
         tasks.append(ChunkTask(chunk, None, None, test, classes))
     model = for_evaluation(

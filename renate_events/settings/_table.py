@@ -114,6 +114,13 @@ _ALL = (
         "the results",
         metavar="ORDER",
         maps_onto=(_CLASSES + "class_order",),
+        variants={
+            "evaluate": {
+                "help": "with --scenario: the class order of the tasks, as run's --class-order "
+                "(default: the one the state folder's run recorded; sorted for a folder without a "
+                "record); a state folder's recorded order may only be repeated"
+            }
+        },
     ),
     Setting(
         "blurry",
@@ -262,7 +269,12 @@ _ALL = (
         high=MAX_SEED,
         maps_onto=(_LEARNER + "seed", _MMD + "seed"),
         variants={
-            "evaluate": {"help": "seed of the split / of data_fn"},
+            "evaluate": {
+                "default": None,
+                "help": "with --scenario: the seed of its split (default: the one the state "
+                "folder's run recorded, which it may only repeat; else 0); with --config-file: "
+                "given to data_fn (default 0)",
+            },
             "predict": {"help": "the seed given to data_fn / test_data_fn"},
             "shift": {"help": "seed of the permutations"},
         },
@@ -665,8 +677,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         *(*_TRAINING, *_SELECTION, *_TRACKING),
     ),
     "evaluate": (
-        *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
-        *("classifier", "device", "accept_config_change", "scratch_dir"),
+        *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "class_order"),
+        *("seed", "classifier", "device", "accept_config_change", "scratch_dir"),
     ),
     "predict": (
         *("state", "data", "config_file", "chunk_id", "output", "probabilities", "seed"),
