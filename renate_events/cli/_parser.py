@@ -38,7 +38,6 @@ COMMAND_FUNCTIONS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = 
 
 _EXCLUSIVE = {
     "evaluate": ("data", "scenario", "config_file"),
-    "predict": ("data", "config_file"),
 }
 """Per command, the settings of which exactly one must be given."""
 

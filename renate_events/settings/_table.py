@@ -79,7 +79,10 @@ _ALL = (
         variants={
             "evaluate": {"help": "evaluate on test_data_fn's chunks (see --chunk-ids)"},
             "shift": {"help": "the config file the --state was written with"},
-            "predict": {"help": "the config file the --state was written with (see --chunk-id)"},
+            "predict": {
+                "help": "the config file the --state was written with: its model_fn builds the "
+                "model; predict on a chunk (--chunk-id) or on a file's inputs (--data)"
+            },
         },
     ),
     # run: the scenario and the model
@@ -111,7 +114,7 @@ _ALL = (
         "class_order",
         "class-incremental scenarios: the order of the classes, seed:N (shuffled with seed N) or "
         "the class ids in order, comma-separated such as 3,1,0,2 (default: sorted); recorded in "
-        "the results",
+        "the results and the state folders",
         metavar="ORDER",
         maps_onto=(_CLASSES + "class_order",),
         variants={
@@ -239,7 +242,10 @@ _ALL = (
             "update": {
                 "help": ".safetensors or .npz file with 'inputs' and 'targets' (no --config-file)"
             },
-            "predict": {"help": ".safetensors or .npz file with 'inputs' ('targets' not needed)"},
+            "predict": {
+                "help": ".safetensors or .npz file with 'inputs' ('targets' not needed); with "
+                "--config-file, kept as stored for its test_transform"
+            },
         },
     ),
     Setting(
