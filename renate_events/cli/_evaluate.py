@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from renate_events.cli._data_files import fitted, load_data_file
+from renate_events.cli._data_files import config_fitted, fitted, load_data_file
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
@@ -156,6 +156,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     from renate_events.scenarios import Task
 
     options = check_options(EvaluateOptions, values)
+    _check_sources(options)
     if options.scenario is not None or options.data_dir is not None:
         check_data_dir(options.scenario, options.data_dir)
     if options.class_order is not None and options.scenario is None:
@@ -189,6 +190,31 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     return 0
 
 
+def _check_sources(options: Any) -> None:
+    """What to evaluate on: ``--data``, ``--scenario`` or ``--config-file`` (its chunks, or with
+    ``--data`` that file), in argparse's words where it would have refused."""
+    given = [
+        flag
+        for flag, value in (
+            ("--data", options.data),
+            ("--scenario", options.scenario),
+            ("--config-file", options.config_file),
+        )
+        if value is not None
+    ]
+    if not given:
+        raise UsageError(
+            "one of the arguments --data --scenario --config-file is required (see "
+            "renate-events evaluate -h)"
+        )
+    if options.scenario is not None and len(given) > 1:
+        other = next(flag for flag in given if flag != "--scenario")
+        raise UsageError(
+            f"--scenario and {other}: evaluate on a scenario's tasks, a data file (--data) or a "
+            "config file's chunks (--config-file); only --data goes with --config-file"
+        )
+
+
 def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
     """The config file of ``--config-file``, the manifest of ``--state`` and an updater reading
     that state with the config file's functions (``evaluate`` and ``predict`` on chunks)."""
@@ -211,15 +237,19 @@ def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
 def _evaluate_from_config(options: Any) -> int:
     from renate_events import evaluation
 
+    if options.data is not None and options.chunk_ids is not None:
+        raise UsageError(
+            "--chunk-ids and --data: evaluate on the config file's chunks or on the file, not both"
+        )
+    data = None if options.data is None else load_data_file(options.data)
     config, manifest, updater = state_with_config(options)
-    chunks = options.chunk_ids or list(range(manifest["updates"]))
-    seed = setting("seed").default if options.seed is None else options.seed
-    tasks = []
-    for chunk in chunks:  # every chunk read and checked before anything is printed
-        val = None if config.has("test_data_fn") else config.data(chunk, seed)[1]
-        test = chunk_test_data(config, chunk, seed, val, updater.learner_instance)
-        classes = tuple(sorted(set(test.tensors[1].tolist())))
-        tasks.append(ChunkTask(chunk, None, None, test, classes))
+    if data is None:
+        tasks = _chunk_tasks(options, config, manifest, updater.learner_instance)
+        name = "chunk"
+    else:  # the file as stored, for the config file's test_transform
+        test = config_fitted(f"--data {options.data}", data, updater.learner_instance)
+        tasks = [ChunkTask(0, None, None, test, tuple(sorted(set(test.tensors[1].tolist()))))]
+        name = "task"
     model = for_evaluation(
         chosen_classifier(updater.learner_instance, options.classifier, options.state), config
     ).to(resolve_device(options.device))
@@ -228,6 +258,22 @@ def _evaluate_from_config(options: Any) -> int:
     for task, accuracy in zip(tasks, accuracies):
         extra = _metric_means(model, task.test, metrics)
         shown = "".join(f"; {name} {value:.4f}" for name, value in extra.items())
-        print(f"chunk {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
+        print(f"{name} {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
     print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
     return 0
+
+
+def _chunk_tasks(
+    options: Any, config: ConfigFile, manifest: Mapping[str, Any], learner: Any
+) -> list[ChunkTask]:
+    """The test data of the chunks ``--chunk-ids`` (default: those the state was trained on),
+    every chunk read and checked before anything is printed."""
+    chunks = options.chunk_ids or list(range(manifest["updates"]))
+    seed = setting("seed").default if options.seed is None else options.seed
+    tasks = []
+    for chunk in chunks:
+        val = None if config.has("test_data_fn") else config.data(chunk, seed)[1]
+        test = chunk_test_data(config, chunk, seed, val, learner)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(ChunkTask(chunk, None, None, test, classes))
+    return tasks

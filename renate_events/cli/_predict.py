@@ -10,8 +10,8 @@ from typing import Any
 import numpy
 import torch
 
-from renate_events.cli._data_files import fitted_inputs, load_inputs_file
-from renate_events.cli._errors import UsageError, one_line
+from renate_events.cli._data_files import config_fitted, fitted_inputs, load_inputs_file
+from renate_events.cli._errors import UsageError
 from renate_events.cli._evaluate import (
     chunk_test_data,
     evaluated,
@@ -23,11 +23,10 @@ from renate_events.cli._evaluate import (
 from renate_events.cli._options import PredictOptions, check_options
 from renate_events.cli._updaters import scratch_setting, updater_from_folder
 from renate_events.inference import inference, outputs_in_batches
-from renate_events.learners import check_split
 from trainer.data import resolve_device
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
 
-__all__ = ["OUTPUT_SUFFIXES", "config_model_inputs", "predict", "write_predictions"]
+__all__ = ["OUTPUT_SUFFIXES", "predict", "write_predictions"]
 
 OUTPUT_SUFFIXES = (".npz", ".csv")
 """The file formats ``--output`` may name, by suffix."""
@@ -86,7 +85,10 @@ def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
     data = None if options.data is None else load_inputs_file(options.data)
     config, _, updater = state_with_config(options)
     if data is not None:  # the file's inputs as stored, through the config's test_transform
-        inputs = config_model_inputs(updater.learner_instance, data, options.data)
+        # check_split probes labelled data: labels of class 0 stand in for the unknown ones
+        labelled = torch.utils.data.TensorDataset(data, torch.zeros(len(data), dtype=torch.int64))
+        what = f"--data {options.data}"
+        inputs = config_fitted(what, labelled, updater.learner_instance).tensors[0]
     else:
         inputs = _chunk_inputs(config, options.chunk_id, options.seed)
     classifier = own_classifier(updater.learner_instance)
@@ -105,19 +107,6 @@ def _chunk_inputs(config: Any, chunk: int, seed: int) -> torch.Tensor:
             f"chunk {chunk}: the test inputs hold NaN or infinite values; clean or drop those "
             "samples (predict's labels for them would mean nothing)"
         )
-    return inputs
-
-
-def config_model_inputs(learner: Any, inputs: torch.Tensor, path: str) -> torch.Tensor:
-    """A data file's ``inputs`` for a config file's model: kept as stored (the config file's
-    ``test_transform`` converts them, as it does its own test data), tried on the model through
-    that transform first, so that inputs it cannot take are one line naming the file."""
-    # check_split probes a labelled split: labels of class 0 stand in for the unknown ones
-    probe = torch.utils.data.TensorDataset(inputs, torch.zeros(len(inputs), dtype=torch.int64))
-    try:
-        check_split(learner, probe, "prediction")
-    except ValueError as exc:
-        raise UsageError(f"--data {path}: {one_line(exc)}") from None
     return inputs
 
 

@@ -252,7 +252,7 @@ def test_a_config_files_state_refuses_data_its_model_cannot_take(tmp_path, capsy
     np.savez(tmp_path / "doubles.npz", inputs=np.zeros((4, 8)))  # numpy's default: float64
     args = ["--state", state, "--config-file", str(config)]
     err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "wide.npz"))
-    assert f"--data {tmp_path / 'wide.npz'}: the prediction data: the model fails" in err
+    assert f"--data {tmp_path / 'wide.npz'}: the test data: the model fails" in err
     assert "float32 (1, 5)" in err
     err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "doubles.npz"))
     assert "float64" in err
