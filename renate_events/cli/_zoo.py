@@ -351,8 +351,8 @@ def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> l
     if options.seed is not None and options.seed != record["seed"]:
         raise UsageError(
             f"--seed {options.seed}: {trained} with --seed {record['seed']} (its manifest records "
-            "it); the split of another seed puts training samples in the test sets: leave --seed "
-            "out"
+            "it); another seed makes other tasks (where the scenario splits its data, with its "
+            "training samples in the test sets): leave --seed out"
         )
     variants = {name: record[name] for name in ("class_order", "blurry") if record[name]}
     tasks = scenario_tasks(options.scenario, options.data_dir, record["seed"], variants)
