@@ -362,7 +362,11 @@ def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> l
             options.class_order, given["class_order"], record["class_order"], classes
         ):
             order = record["class_order"]
-            shown = "the classes in sorted order" if order is None else f"--class-order {order}"
+            shown = (
+                "the classes in sorted order"
+                if order is None
+                else f"--class-order {options_text(order)}"
+            )
             raise UsageError(
                 f"--class-order {options.class_order}: {trained} with {shown} (its manifest "
                 "records it); another order makes other tasks: leave --class-order out"

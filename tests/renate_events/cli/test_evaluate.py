@@ -162,3 +162,15 @@ def test_a_config_files_state_is_evaluated_on_a_data_file(tmp_path, capsys):
         argv = ["evaluate", "--state", state, "--scenario", "split-digits", *other]
         one_line_cli_error(capsys, argv, f"--scenario and {other[0]}:")
     one_line_cli_error(capsys, ["evaluate", "--state", state], "one of the arguments --data")
+
+
+def test_a_recorded_list_is_the_order_it_lists(run, tmp_path, capsys):
+    order = list(shuffled_classes(range(10), 3))  # what seed:3 stands for
+    record = {"seed": 2, "class_order": order, "blurry": 0.1}
+    folder = _without_record(run, tmp_path / "listed", record)
+    argv = ["--state", folder, "--scenario", "split-digits"]
+    assert [line.split()[3] for line in _accuracies(capsys, argv)] == _last_row(run)
+    assert len(_accuracies(capsys, [*argv, "--class-order", "seed:3"])) == 5
+    shown = ",".join(map(str, order))
+    refused = ["evaluate", *argv, "--class-order", "seed:4"]
+    one_line_cli_error(capsys, refused, f"with --class-order {shown} (its manifest records it)")
