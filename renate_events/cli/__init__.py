@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from renate_events.cli._errors import UsageError, command_line_message, one_line
+from renate_events.cli._options import given_texts
 from renate_events.cli._parser import COMMAND_FUNCTIONS, parse
 from renate_events.config import ConfigError
 from renate_events.learners import TransformError
@@ -64,11 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: The arguments (default: ``sys.argv[1:]``).
     """
+    given: dict[str, object] = {}  # the options as parsed (a command may take some out)
     try:
         command, values, from_file = parse(argv)
+        given = dict(values)
         return COMMAND_FUNCTIONS[command](values, from_file)
     except _EXPECTED as exc:
-        print(f"renate-events: error: {command_line_message(exc)}", file=sys.stderr)
+        texts = given_texts(sys.argv[1:] if argv is None else argv, given)
+        print(f"renate-events: error: {command_line_message(exc, texts)}", file=sys.stderr)
         return 2
     except ListenerError as exc:  # a mapped buffer's file failing in training: a full disk;
         # a transform breaking its contract on a later batch (buffer filling, herding)

@@ -11,9 +11,17 @@ from typing import Any
 
 import torch
 
-from renate_events.cli._errors import UsageError
+from renate_events.cli._errors import UsageError, one_line
+from renate_events.learners import check_split
 
-__all__ = ["fitted", "fitted_inputs", "load_data_file", "load_inputs_file", "shift_inputs"]
+__all__ = [
+    "config_fitted",
+    "fitted",
+    "fitted_inputs",
+    "load_data_file",
+    "load_inputs_file",
+    "shift_inputs",
+]
 
 
 def load_data_file(path: str) -> torch.utils.data.TensorDataset:
@@ -161,6 +169,21 @@ def fitted(
             f"{spec['classes']} classes (labels 0..{spec['classes'] - 1})"
         )
     return torch.utils.data.TensorDataset(inputs, targets)
+
+
+def config_fitted(
+    what: str, data: torch.utils.data.TensorDataset, learner: Any
+) -> torch.utils.data.TensorDataset:
+    """A data file (``what``: where it comes from) for a config file's model: kept as stored (the
+    config file's ``test_transform`` converts it, as it does the config's own test data), its
+    first inputs tried on the model through that transform and its labels checked against the
+    outputs (:func:`~renate_events.learners.check_split`), so that data the model cannot take
+    is one line naming the file."""
+    try:
+        check_split(learner, data, "test")
+    except ValueError as exc:
+        raise UsageError(f"{what}: {one_line(exc)}") from None
+    return data
 
 
 def fitted_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:

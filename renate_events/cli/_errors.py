@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 
-__all__ = ["UsageError", "command_line_message", "flag_words", "one_line"]
+__all__ = [
+    "ECHO_LIMIT",
+    "UsageError",
+    "command_line_message",
+    "cut_echoes",
+    "flag_words",
+    "one_line",
+]
+
+ECHO_LIMIT = 200
+"""The most characters of a given value that an error line repeats (a deeply nested
+``--model-args`` or a 10,000-character string would otherwise fill the terminal)."""
 
 
 class UsageError(Exception):
@@ -64,10 +76,25 @@ def flag_words(message: str) -> str:
     return message
 
 
-def command_line_message(error: BaseException) -> str:
-    """:func:`one_line`, with the advice naming the flag instead of the Python argument, and the
-    Python arguments named by their flags (:func:`flag_words`)."""
+def cut_echoes(message: str, given: Iterable[str]) -> str:
+    """``message`` with every text of ``given`` longer than :data:`ECHO_LIMIT` characters that
+    it repeats cut to its first ``ECHO_LIMIT`` characters, an ellipsis and its length.
+
+    Example:
+        >>> cut_echoes("unknown --scenario " + "x" * 500, ["x" * 500])[-30:]
+        'xxxxxxxx... (500 characters)'
+    """
+    long = sorted({text for text in given if len(text) > ECHO_LIMIT}, key=len, reverse=True)
+    for text in long:  # the longest first: a value's repr holds its text
+        message = message.replace(text, f"{text[:ECHO_LIMIT]}... ({len(text)} characters)")
+    return message
+
+
+def command_line_message(error: BaseException, given: Iterable[str] = ()) -> str:
+    """:func:`one_line`, with the advice naming the flag instead of the Python argument, the
+    Python arguments named by their flags (:func:`flag_words`) and over-long given values cut
+    (:func:`cut_echoes`; ``given``: the texts the user gave, in every form a message shows)."""
     message = one_line(error)
     for python, flag in _PYTHON_ADVICE:
         message = message.replace(python, flag)
-    return flag_words(message)
+    return cut_echoes(flag_words(message), given)

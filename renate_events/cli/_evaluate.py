@@ -9,15 +9,20 @@ from typing import Any
 import attrs
 import torch
 
-from renate_events.cli._data_files import fitted, load_data_file
+from renate_events.cli._data_files import config_fitted, fitted, load_data_file
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.cli._options import EvaluateOptions, check_options, load_config_file
 from renate_events.cli._updaters import config_updater, scratch_setting, updater_from_folder
-from renate_events.cli._zoo import check_data_dir, scenario_tasks
+from renate_events.cli._zoo import (
+    check_data_dir,
+    evaluation_tasks,
+    scenario_variants,
+)
 from renate_events.config import ConfigFile
 from renate_events.inference import EVAL_BATCH_SIZE, forward, inference, model_device, pinned
 from renate_events.learners import check_split
 from renate_events.methods import METHODS, method_of
+from renate_events.settings import setting
 from renate_events.state_folder import read_manifest
 from renate_events.updater import dataset_tensors
 from trainer.data import resolve_device
@@ -151,21 +156,28 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     from renate_events.scenarios import Task
 
     options = check_options(EvaluateOptions, values)
+    _check_sources(options)
     if options.scenario is not None or options.data_dir is not None:
         check_data_dir(options.scenario, options.data_dir)
+    if options.class_order is not None and options.scenario is None:
+        raise UsageError(
+            "--class-order orders the tasks of a --scenario; give one, or leave it out"
+        )
     if options.config_file is not None:
         return _evaluate_from_config(options)
     if options.chunk_ids is not None:
         raise UsageError("--chunk-ids needs --config-file")
     if options.data is not None:
         data = load_data_file(options.data)
+    else:
+        scenario_variants(options)  # --class-order checked before the state is read
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
     if options.data is not None:
         data = fitted(f"--data {options.data}", data, spec)
         classes = tuple(sorted(set(data.tensors[1].tolist())))
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
-    else:
-        tasks = scenario_tasks(options.scenario, options.data_dir, options.seed)
+    else:  # the tasks the state's run trained on, as its manifest records them
+        tasks = evaluation_tasks(options.state, updater.metadata, options)
         for task in tasks:  # every task's labels: a later task may exceed the model's classes
             fitted(f"--scenario {options.scenario}", task.test, spec)
     # the data checked first: the classifier's line is printed only for an evaluation that runs
@@ -176,6 +188,31 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
     print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
     return 0
+
+
+def _check_sources(options: Any) -> None:
+    """What to evaluate on: ``--data``, ``--scenario`` or ``--config-file`` (its chunks, or with
+    ``--data`` that file), in argparse's words where it would have refused."""
+    given = [
+        flag
+        for flag, value in (
+            ("--data", options.data),
+            ("--scenario", options.scenario),
+            ("--config-file", options.config_file),
+        )
+        if value is not None
+    ]
+    if not given:
+        raise UsageError(
+            "one of the arguments --data --scenario --config-file is required (see "
+            "renate-events evaluate -h)"
+        )
+    if options.scenario is not None and len(given) > 1:
+        other = next(flag for flag in given if flag != "--scenario")
+        raise UsageError(
+            f"--scenario and {other}: evaluate on a scenario's tasks, a data file (--data) or a "
+            "config file's chunks (--config-file); only --data goes with --config-file"
+        )
 
 
 def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
@@ -200,14 +237,19 @@ def state_with_config(options: Any) -> tuple[Any, dict[str, Any], Any]:
 def _evaluate_from_config(options: Any) -> int:
     from renate_events import evaluation
 
+    if options.data is not None and options.chunk_ids is not None:
+        raise UsageError(
+            "--chunk-ids and --data: evaluate on the config file's chunks or on the file, not both"
+        )
+    data = None if options.data is None else load_data_file(options.data)
     config, manifest, updater = state_with_config(options)
-    chunks = options.chunk_ids or list(range(manifest["updates"]))
-    tasks = []
-    for chunk in chunks:  # every chunk read and checked before anything is printed
-        val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
-        test = chunk_test_data(config, chunk, options.seed, val, updater.learner_instance)
-        classes = tuple(sorted(set(test.tensors[1].tolist())))
-        tasks.append(ChunkTask(chunk, None, None, test, classes))
+    if data is None:
+        tasks = _chunk_tasks(options, config, manifest, updater.learner_instance)
+        name = "chunk"
+    else:  # the file as stored, for the config file's test_transform
+        test = config_fitted(f"--data {options.data}", data, updater.learner_instance)
+        tasks = [ChunkTask(0, None, None, test, tuple(sorted(set(test.tensors[1].tolist()))))]
+        name = "task"
     model = for_evaluation(
         chosen_classifier(updater.learner_instance, options.classifier, options.state), config
     ).to(resolve_device(options.device))
@@ -216,6 +258,22 @@ def _evaluate_from_config(options: Any) -> int:
     for task, accuracy in zip(tasks, accuracies):
         extra = _metric_means(model, task.test, metrics)
         shown = "".join(f"; {name} {value:.4f}" for name, value in extra.items())
-        print(f"chunk {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
+        print(f"{name} {task.task_id}: accuracy {accuracy:.4f}{shown} ({len(task.test)} samples)")
     print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
     return 0
+
+
+def _chunk_tasks(
+    options: Any, config: ConfigFile, manifest: Mapping[str, Any], learner: Any
+) -> list[ChunkTask]:
+    """The test data of the chunks ``--chunk-ids`` (default: those the state was trained on),
+    every chunk read and checked before anything is printed."""
+    chunks = options.chunk_ids or list(range(manifest["updates"]))
+    seed = setting("seed").default if options.seed is None else options.seed
+    tasks = []
+    for chunk in chunks:
+        val = None if config.has("test_data_fn") else config.data(chunk, seed)[1]
+        test = chunk_test_data(config, chunk, seed, val, learner)
+        classes = tuple(sorted(set(test.tensors[1].tolist())))
+        tasks.append(ChunkTask(chunk, None, None, test, classes))
+    return tasks

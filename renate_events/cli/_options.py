@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -39,6 +39,7 @@ __all__ = [
     "add_hyperparameter_options",
     "add_setting",
     "check_options",
+    "given_texts",
     "hyperparameter_epilog",
     "hyperparameter_names",
     "hyperparameter_values",
@@ -254,6 +255,22 @@ def _table_value(value: Any) -> Any:
         except ValueError:
             return value
     return value
+
+
+def given_texts(argv: Sequence[str], values: Mapping[str, Any]) -> set[str]:
+    """Every value given on the command line (``argv``) or in a ``--config`` file (``values``),
+    in each form an error message may show it: as given, quoted, and read as a value (a
+    ``--model-args`` table shown as a dict); for cutting over-long echoes."""
+    items = list(values.values())
+    for token in argv:
+        items.append(token)
+        if token.startswith("--") and "=" in token:  # --flag=value
+            items.append(token.partition("=")[2])
+    texts: set[str] = set()
+    for item in items:
+        forms = [item, parse_value(item), _table_value(item)] if isinstance(item, str) else [item]
+        texts.update(text for form in forms for text in (str(form), repr(form)))
+    return texts
 
 
 def _field(entry: Setting, command: str) -> Any:

@@ -36,12 +36,6 @@ COMMAND_FUNCTIONS: dict[str, Callable[[dict[str, Any], frozenset[str]], int]] = 
 }
 """Each command's function: ``(values, from_file) -> exit status``."""
 
-_EXCLUSIVE = {
-    "evaluate": ("data", "scenario", "config_file"),
-    "predict": ("data", "config_file"),
-}
-"""Per command, the settings of which exactly one must be given."""
-
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors as :class:`UsageError` (one line) instead of usage text."""
@@ -86,10 +80,8 @@ def examples() -> str:
 
 def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     """Every flag of ``command``, in the order of :data:`~renate_events.settings.COMMANDS`."""
-    exclusive = _EXCLUSIVE.get(command, ())
-    group = parser.add_mutually_exclusive_group(required=True) if exclusive else None
     for name in COMMANDS[command]:
-        add_setting(group if name in exclusive else parser, command, name)
+        add_setting(parser, command, name)
 
 
 def _subparser(sub: Any, command: str, epilog: str, **texts: str) -> argparse.ArgumentParser:

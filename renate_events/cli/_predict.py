@@ -10,7 +10,7 @@ from typing import Any
 import numpy
 import torch
 
-from renate_events.cli._data_files import fitted_inputs, load_inputs_file
+from renate_events.cli._data_files import config_fitted, fitted_inputs, load_inputs_file
 from renate_events.cli._errors import UsageError
 from renate_events.cli._evaluate import (
     chunk_test_data,
@@ -36,14 +36,18 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
     """``renate-events predict``: the labels (and class probabilities) a state folder's model
     gives to ``--data``'s inputs or to a config file's chunk."""
     options = check_options(PredictOptions, values)
+    if options.data is None and options.config_file is None:
+        raise UsageError(  # argparse's words: a group cannot say "one or both"
+            "one of the arguments --data --config-file is required (see renate-events predict -h)"
+        )
     if options.probabilities and options.output is None:  # it would be ignored
         raise UsageError("--probabilities needs --output P.npz or P.csv: the file they go to")
     _check_output(options.output)  # before anything is computed
+    if options.chunk_id is not None and options.config_file is None:
+        raise UsageError("--chunk-id needs --config-file")
     if options.config_file is not None:
         model, classifier, inputs = _config_inputs(options)
     else:
-        if options.chunk_id is not None:
-            raise UsageError("--chunk-id needs --config-file")
         inputs = load_inputs_file(options.data)
         updater, spec = updater_from_folder(options.state, **scratch_setting(options))
         inputs = fitted_inputs(f"--data {options.data}", inputs, spec)
@@ -67,24 +71,43 @@ def predict(values: dict[str, Any], from_file: frozenset[str]) -> int:
 
 def _config_inputs(options: Any) -> tuple[torch.nn.Module, str, Any]:
     """The model through the config file's test transform, the classifier's name and the
-    chunk's test inputs."""
-    if options.chunk_id is None:
-        raise UsageError("--config-file needs --chunk-id N: the chunk to predict on")
-    config, _, updater = state_with_config(options)
-    chunk = options.chunk_id
-    val = None if config.has("test_data_fn") else config.data(chunk, options.seed)[1]
-    test = chunk_test_data(config, chunk, options.seed, val)
-    inputs = test.tensors[0]
-    if inputs.dtype.is_floating_point and not bool(torch.isfinite(inputs).all()):
+    inputs: ``--data``'s, or the test inputs of the chunk ``--chunk-id``."""
+    if options.chunk_id is None and options.data is None:
         raise UsageError(
-            f"chunk {chunk}: the test inputs hold NaN or infinite values; clean or drop those "
-            "samples (predict's labels for them would mean nothing)"
+            "--config-file needs --chunk-id N (the chunk to predict on) or --data FILE (the "
+            "inputs to predict on)"
         )
+    if options.chunk_id is not None and options.data is not None:
+        raise UsageError(
+            f"--chunk-id {options.chunk_id} and --data {options.data}: predict on the chunk's "
+            "test data or on the file's inputs, not both; leave one out"
+        )
+    data = None if options.data is None else load_inputs_file(options.data)
+    config, _, updater = state_with_config(options)
+    if data is not None:  # the file's inputs as stored, through the config's test_transform
+        # check_split probes labelled data: labels of class 0 stand in for the unknown ones
+        labelled = torch.utils.data.TensorDataset(data, torch.zeros(len(data), dtype=torch.int64))
+        what = f"--data {options.data}"
+        inputs = config_fitted(what, labelled, updater.learner_instance).tensors[0]
+    else:
+        inputs = _chunk_inputs(config, options.chunk_id, options.seed)
     classifier = own_classifier(updater.learner_instance)
     model = for_evaluation(
         method_classifier(updater.learner_instance, classifier, options.state), config
     )
     return model, classifier, inputs
+
+
+def _chunk_inputs(config: Any, chunk: int, seed: int) -> torch.Tensor:
+    """The test inputs of a config file's chunk (``test_data_fn``'s, else the validation data)."""
+    val = None if config.has("test_data_fn") else config.data(chunk, seed)[1]
+    inputs = chunk_test_data(config, chunk, seed, val).tensors[0]
+    if inputs.dtype.is_floating_point and not bool(torch.isfinite(inputs).all()):
+        raise UsageError(
+            f"chunk {chunk}: the test inputs hold NaN or infinite values; clean or drop those "
+            "samples (predict's labels for them would mean nothing)"
+        )
+    return inputs
 
 
 def _outputs(model: torch.nn.Module, inputs: Any, state: str) -> torch.Tensor:

@@ -48,10 +48,12 @@ from renate_events.cli._updaters import (
 )
 from renate_events.cli._zoo import (
     MAX_PARAMETERS,
+    SCENARIO_ARGS,
     mlp,
     parameter_count,
     pretrained_model,
     resolved_model,
+    scenario_record,
     scenario_tasks,
     scenario_variants,
     spec_transforms,
@@ -307,7 +309,11 @@ def _prepare_seed(
             optimizer=optimizer_spec(first_optimizer, overrides),
             buffer=options.buffer or default_buffer(options.learner),
             trainer_kwargs=trainer_setting({**overrides, "distributed": distributed}, None, None),
-            metadata={"model": spec, "scenario": options.scenario},
+            metadata={
+                "model": spec,
+                "scenario": options.scenario,
+                SCENARIO_ARGS: scenario_record(seed, variants),
+            },
             transforms=transforms,
             listeners=listeners,
         )

@@ -15,7 +15,7 @@ import torch
 
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.models import MODELS, build_model
-from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS
+from renate_events.scenarios import IMAGE_SCENARIOS, SCENARIOS, resolve_class_order
 from renate_events.settings import setting
 from renate_events.state_folder import StateFolderError
 from trainer import validators as checks
@@ -23,14 +23,17 @@ from trainer import validators as checks
 __all__ = [
     "IMAGE_DATA",
     "MAX_PARAMETERS",
+    "SCENARIO_ARGS",
     "check_data_dir",
     "check_same_model",
+    "evaluation_tasks",
     "mlp",
     "model_spec",
     "options_text",
     "parameter_count",
     "pretrained_model",
     "resolved_model",
+    "scenario_record",
     "scenario_tasks",
     "scenario_variants",
     "spec_transforms",
@@ -235,8 +238,9 @@ def pretrained_model(
 
 def scenario_variants(options: Any) -> dict[str, Any]:
     """The scenario's own arguments that ``--class-order`` and ``--blurry`` give (those not at
-    their default), each refused for a scenario that does not take it."""
-    given = {"class_order": options.class_order, "blurry": options.blurry or None}
+    their default), each refused for a scenario that does not take it (``evaluate`` takes no
+    ``--blurry``: the test sets do not depend on it)."""
+    given = {"class_order": options.class_order, "blurry": getattr(options, "blurry", 0.0) or None}
     given = {name: value for name, value in given.items() if value is not None}
     if given and options.config_file is not None:
         flag = "--" + next(iter(given)).replace("_", "-")
@@ -295,6 +299,89 @@ def scenario_tasks(
             "transfer) and needs at least 2"
         )
     return tasks
+
+
+SCENARIO_ARGS = "scenario_args"
+"""The key of a state folder's ``metadata`` that records the run's scenario beyond its name."""
+
+
+def scenario_record(seed: int, variants: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run's manifest records of its scenario besides the name (``metadata.scenario_args``):
+    the seed of the split and the variants, so that ``evaluate`` builds the tasks it trained on."""
+    return {
+        "seed": seed,
+        "class_order": variants.get("class_order"),
+        "blurry": variants.get("blurry", 0.0),
+    }
+
+
+def _checked_record(path: str, record: Any) -> dict[str, Any]:
+    """``metadata.scenario_args`` of the manifest ``path``, every key checked."""
+    key = f"{path}: key 'metadata.{SCENARIO_ARGS}"
+    if not isinstance(record, dict) or set(record) != {"seed", "class_order", "blurry"}:
+        raise StateFolderError(
+            f"{key}' must be an object of seed, class_order and blurry, got {record!r}"
+        )
+    seed = record["seed"]
+    if not checks.is_int(seed) or not 0 <= seed < setting("seed").high:
+        raise StateFolderError(f"{key}.seed' must be a seed, an int >= 0, got {seed!r}")
+    order = record["class_order"]
+    valid_list = isinstance(order, list) and all(checks.is_int(c) and c >= 0 for c in order)
+    if not (order is None or valid_list or (isinstance(order, str) and order.startswith("seed:"))):
+        raise StateFolderError(
+            f"{key}.class_order' must be null, 'seed:N' or a list of class ids, got {order!r}"
+        )
+    blurry = record["blurry"]
+    if not checks.is_real(blurry) or not 0 <= blurry <= 1:
+        raise StateFolderError(f"{key}.blurry' must be a number in [0, 1], got {blurry!r}")
+    return record
+
+
+def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> list[Any]:
+    """The tasks ``evaluate --scenario`` evaluates on: with the seed and the variants the state
+    folder's run recorded for that scenario (``--seed`` and ``--class-order`` may only repeat
+    them), else with the options' (default seed 0: a folder written before the record, or a
+    run of another scenario)."""
+    given = scenario_variants(options)
+    if metadata.get("scenario") != options.scenario or SCENARIO_ARGS not in metadata:
+        seed = setting("seed").default if options.seed is None else options.seed
+        return scenario_tasks(options.scenario, options.data_dir, seed, given)
+    record = _checked_record(os.path.join(state, "manifest.json"), metadata[SCENARIO_ARGS])
+    trained = f"{state} was trained on --scenario {options.scenario}"
+    if options.seed is not None and options.seed != record["seed"]:
+        raise UsageError(
+            f"--seed {options.seed}: {trained} with --seed {record['seed']} (its manifest records "
+            "it); another seed makes other tasks (where the scenario splits its data, with its "
+            "training samples in the test sets): leave --seed out"
+        )
+    variants = {name: record[name] for name in ("class_order", "blurry") if record[name]}
+    tasks = scenario_tasks(options.scenario, options.data_dir, record["seed"], variants)
+    if "class_order" in given:
+        classes = sorted(c for task in tasks for c in task.classes)
+        if not _same_order(
+            options.class_order, given["class_order"], record["class_order"], classes
+        ):
+            order = record["class_order"]
+            shown = (
+                "the classes in sorted order"
+                if order is None
+                else f"--class-order {options_text(order)}"
+            )
+            raise UsageError(
+                f"--class-order {options.class_order}: {trained} with {shown} (its manifest "
+                "records it); another order makes other tasks: leave --class-order out"
+            )
+    return tasks
+
+
+def _same_order(text: str, given: Any, recorded: Any, classes: Sequence[int]) -> bool:
+    """Whether the given class order (``text`` as written) orders ``classes`` as the recorded
+    one does (each None: sorted; ``"seed:N"``; a list of ids)."""
+    try:
+        mine = resolve_class_order(given, classes)
+    except ValueError as exc:  # not an order of those classes
+        raise UsageError(f"--class-order {text}: {one_line(exc)}") from None
+    return mine == (resolve_class_order(recorded, classes) or tuple(classes))
 
 
 def options_text(value: Any) -> str:

@@ -79,7 +79,10 @@ _ALL = (
         variants={
             "evaluate": {"help": "evaluate on test_data_fn's chunks (see --chunk-ids)"},
             "shift": {"help": "the config file the --state was written with"},
-            "predict": {"help": "the config file the --state was written with (see --chunk-id)"},
+            "predict": {
+                "help": "the config file the --state was written with: its model_fn builds the "
+                "model; predict on a chunk (--chunk-id) or on a file's inputs (--data)"
+            },
         },
     ),
     # run: the scenario and the model
@@ -111,9 +114,16 @@ _ALL = (
         "class_order",
         "class-incremental scenarios: the order of the classes, seed:N (shuffled with seed N) or "
         "the class ids in order, comma-separated such as 3,1,0,2 (default: sorted); recorded in "
-        "the results",
+        "the results and the state folders",
         metavar="ORDER",
         maps_onto=(_CLASSES + "class_order",),
+        variants={
+            "evaluate": {
+                "help": "with --scenario: the class order of the tasks, as run's --class-order "
+                "(default: the one the state folder's run recorded; sorted for a folder without a "
+                "record); a state folder's recorded order may only be repeated"
+            }
+        },
     ),
     Setting(
         "blurry",
@@ -232,7 +242,10 @@ _ALL = (
             "update": {
                 "help": ".safetensors or .npz file with 'inputs' and 'targets' (no --config-file)"
             },
-            "predict": {"help": ".safetensors or .npz file with 'inputs' ('targets' not needed)"},
+            "predict": {
+                "help": ".safetensors or .npz file with 'inputs' ('targets' not needed); with "
+                "--config-file, kept as stored for its test_transform"
+            },
         },
     ),
     Setting(
@@ -262,7 +275,12 @@ _ALL = (
         high=MAX_SEED,
         maps_onto=(_LEARNER + "seed", _MMD + "seed"),
         variants={
-            "evaluate": {"help": "seed of the split / of data_fn"},
+            "evaluate": {
+                "default": None,
+                "help": "with --scenario: the seed of its split (default: the one the state "
+                "folder's run recorded, which it may only repeat; else 0); with --config-file: "
+                "given to data_fn (default 0)",
+            },
             "predict": {"help": "the seed given to data_fn / test_data_fn"},
             "shift": {"help": "seed of the permutations"},
         },
@@ -665,8 +683,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         *(*_TRAINING, *_SELECTION, *_TRACKING),
     ),
     "evaluate": (
-        *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "seed"),
-        *("classifier", "device", "accept_config_change", "scratch_dir"),
+        *("state", "data", "scenario", "config_file", "chunk_ids", "data_dir", "class_order"),
+        *("seed", "classifier", "device", "accept_config_change", "scratch_dir"),
     ),
     "predict": (
         *("state", "data", "config_file", "chunk_id", "output", "probabilities", "seed"),

@@ -70,3 +70,21 @@ def test_model_args_in_json_nested_too_deeply_is_one_line(capsys, tmp_path):
         ["run", "--model-args", text, "--output-dir", str(tmp_path / "out")],
         "--model-args must be a table",
     )
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("argv", "word"),
+    [
+        (["run", "--scenario", "x" * 10_000], "unknown --scenario 'xxx"),
+        (["run", "--model-args", "{a = " + "[" * 60 + "1, " * 99 + "1" + "]" * 60 + "}"], "{'a'"),
+        (["run", "--model-args={" + ",".join(f"a{i} = {i}" for i in range(2_000)) + "}"], "a0"),
+        (["run", "--epochs", "9" * 3_000 + "x"], "invalid int value"),
+        (["evaluate", "--state", "s" * 5_000, "--scenario", "split-digits"], "not a state"),
+    ],
+    ids=["string", "nested table", "wide table", "argparse", "path"],
+)
+def test_an_over_long_value_is_cut_in_its_one_line_error(capsys, tmp_path, argv, word):
+    err = one_line_cli_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")][:-2], word)
+    assert len(err) < 1_000 and "... (" in err and " characters)" in err, err
+    assert not (tmp_path / "out").exists()

@@ -215,3 +215,48 @@ def test_device_says_where_evaluate_and_predict_run_the_model(
 def test_an_unknown_device_is_one_line(state, data, tmp_path, capsys):
     err = _bad(tmp_path, capsys, "--state", str(state), "--data", str(data[0]), "--device", "tpu")
     assert "--device" in err
+
+
+def test_a_config_files_state_predicts_on_a_data_file(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    state = str(tmp_path / "s0")
+    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
+    assert main([*update, "--no-progress"]) == 0
+    capsys.readouterr()
+    inputs = torch.randn(12, 8, generator=torch.Generator().manual_seed(5))
+    np.savez(tmp_path / "new.npz", inputs=inputs.numpy())
+    plain = ["predict", "--state", state, "--data", str(tmp_path / "new.npz")]
+    err = _bad(tmp_path, capsys, *plain[1:])  # the model is the config file's: it is needed
+    assert "pass it as --config-file" in err
+    output = tmp_path / "labels.npz"
+    argv = [*plain, "--config-file", str(config), "--output", str(output)]
+    assert main(argv) == 0
+    assert "12 samples, logits classifier" in capsys.readouterr().out
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    with torch.no_grad(), np.load(output) as saved:
+        assert saved["labels"].tolist() == model(inputs).argmax(dim=1).tolist()
+
+
+def test_a_config_files_state_refuses_data_its_model_cannot_take(tmp_path, capsys):
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    state = str(tmp_path / "s0")
+    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
+    assert main([*update, "--no-progress"]) == 0
+    capsys.readouterr()
+    np.savez(tmp_path / "wide.npz", inputs=np.zeros((4, 5), dtype=np.float32))
+    np.savez(tmp_path / "doubles.npz", inputs=np.zeros((4, 8)))  # numpy's default: float64
+    args = ["--state", state, "--config-file", str(config)]
+    err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "wide.npz"))
+    assert f"--data {tmp_path / 'wide.npz'}: the test data: the model fails" in err
+    assert "float32 (1, 5)" in err
+    err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "doubles.npz"))
+    assert "float64" in err
+    err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "wide.npz"), "--chunk-id", "0")
+    assert "--chunk-id 0 and --data" in err and "not both" in err
+    err = _bad(tmp_path, capsys, "--state", state)
+    assert "one of the arguments --data --config-file is required" in err
