@@ -72,16 +72,17 @@ def check_trainer_kwargs(instance: Any, attribute: attrs.Attribute[Any], value: 
         check_capture_device("graph", value.get("device", "auto"), f"{name}['capture']")
 
 
-def max_epochs_of(
-    max_epochs: int | None, trainer_kwargs: dict[str, Any], default: int
-) -> tuple[int | None, dict[str, Any]]:
-    """The epochs per update and ``trainer_kwargs`` without ``max_epochs``.
+def max_epochs_of(updater: Any) -> tuple[int | None, dict[str, Any]]:
+    """A :class:`~renate_events.updater.ModelUpdater`'s epochs per update and its
+    ``trainer_kwargs`` without ``max_epochs``.
 
     ``trainer_kwargs['max_epochs']``, the earlier way to set the epochs, still sets them (with a
     :class:`DeprecationWarning` naming ``max_epochs``); given both ways with two values (and
-    ``max_epochs`` not left at its ``default``), a :class:`ValueError`. The caller's dict is
-    not changed.
+    ``max_epochs`` not left at its default), a :class:`ValueError`. The caller's dict is not
+    changed.
     """
+    max_epochs, trainer_kwargs = updater.max_epochs, updater.trainer_kwargs
+    default = attrs.fields(type(updater)).max_epochs.default
     if "max_epochs" not in trainer_kwargs:
         return max_epochs, trainer_kwargs
     given = trainer_kwargs["max_epochs"]

@@ -103,9 +103,8 @@ class ModelUpdater:
             ``"greedy-class-balancing"`` for ``"gdumb"``, which needs it, ``"herding"`` for
             ``"icarl"``, which needs it, else ``"reservoir"``).
         trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``device``, ``precision``,
-            ...). ``max_epochs`` here is deprecated: it still sets the epochs, with a
-            ``DeprecationWarning``; given here and as ``max_epochs`` with two values, it is a
-            ``ValueError``.
+            ...); ``max_epochs`` here is deprecated (it warns, and contradicting ``max_epochs``
+            is a ``ValueError``).
         max_epochs: Epochs per update (Renate's name): 10 by default, as the command line's
             ``--epochs`` (Renate's default is 50). None: the trainer's own rule, one epoch, or
             until ``trainer_kwargs['max_steps']``. The manifest's ``trainer`` records it.
@@ -277,10 +276,7 @@ class ModelUpdater:
     _memory: ValidationMemory | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        default = attrs.fields(ModelUpdater).max_epochs.default
-        self.max_epochs, self.trainer_kwargs = max_epochs_of(
-            self.max_epochs, self.trainer_kwargs, default
-        )
+        self.max_epochs, self.trainer_kwargs = max_epochs_of(self)  # the deprecated way too
         if self.mode is None:  # an accuracy is better when higher; anything else (a loss) lower
             accuracy = self.metric is not None and self.metric.endswith("accuracy")
             self.mode = "max" if accuracy else "min"
@@ -304,8 +300,7 @@ class ModelUpdater:
 
     @property
     def trainer_arguments(self) -> dict[str, Any]:
-        """The keyword arguments of the update's :class:`trainer.Trainer`: ``trainer_kwargs``
-        and ``max_epochs`` (the manifest's ``trainer`` records them)."""
+        """The update's :class:`trainer.Trainer` arguments: ``trainer_kwargs``, ``max_epochs``."""
         return {**self.trainer_kwargs, "max_epochs": self.max_epochs}
 
     @property
