@@ -4,6 +4,7 @@ deprecated ``trainer_kwargs['max_epochs']``."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -123,3 +124,22 @@ def test_the_command_line_keeps_the_input_states_epochs_unless_given(tmp_path):
     assert kept["trainer"]["max_epochs"] == 2 and kept["history"][-1]["epochs"] == 2
     given = _cli_update(config, tmp_path / "b", tmp_path / "c", "--chunk-id", "2", "--epochs", "3")
     assert given["trainer"]["max_epochs"] == 3 and given["history"][-1]["epochs"] == 3
+
+
+def test_a_folder_that_recorded_no_epochs_keeps_one_epoch_per_update(tmp_path):
+    # Written from Python before ModelUpdater recorded max_epochs: its updates trained one epoch
+    # each (Trainer(max_epochs=None)), which the command line's "the input state's" keeps.
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    updater = ModelUpdater.from_config(
+        str(config),
+        max_epochs=None,
+        trainer_kwargs={"device": "cpu"},
+        output_state_folder=tmp_path / "a",
+    )
+    updater.update(*updater.config_file.data(0, 0), task_id=0)
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    del manifest["trainer"]["max_epochs"]
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(manifest))
+    kept = _cli_update(config, tmp_path / "a", tmp_path / "b", "--chunk-id", "1")
+    assert kept["trainer"]["max_epochs"] is None and kept["history"][-1]["epochs"] == 1
