@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -97,10 +98,23 @@ def max_epochs_of(updater: Any) -> tuple[int | None, dict[str, Any]]:
         f"instead (left out, max_epochs is now {default} per update, the command line's "
         "--epochs)",
         DeprecationWarning,
-        stacklevel=4,  # the caller of ModelUpdater(...), past __init__ and __attrs_post_init__
+        stacklevel=_outside_level(),
     )
     rest = {name: value for name, value in trainer_kwargs.items() if name != "max_epochs"}
     return given, rest
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` of a warning raised by this function's caller that names the user's
+    line: the first frame outside this package and attrs' generated ``__init__`` (a
+    ``ModelUpdater(...)`` or a ``ModelUpdater.from_config(...)`` in the user's code)."""
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith((here, "<attrs generated"))
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_folder(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

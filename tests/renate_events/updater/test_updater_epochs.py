@@ -50,7 +50,7 @@ def test_max_epochs_none_leaves_the_trainers_rule_one_epoch_or_max_steps():
     assert steps.update(_task()).steps == 3
 
 
-def test_trainer_kwargs_max_epochs_still_works_with_a_deprecation_warning():
+def test_trainer_kwargs_max_epochs_still_works_with_a_deprecation_warning(tmp_path):
     given = {"device": "cpu", "max_epochs": 3}
     with pytest.warns(DeprecationWarning, match=r"trainer_kwargs\['max_epochs'\] is deprecated; "
                       r"pass max_epochs=3 instead") as caught:  # fmt: skip
@@ -61,6 +61,11 @@ def test_trainer_kwargs_max_epochs_still_works_with_a_deprecation_warning():
     assert updater.update(_task()).steps == 3
     with pytest.warns(DeprecationWarning):  # the same value both ways: no contradiction
         assert _updater(max_epochs=3, trainer_kwargs=given).max_epochs == 3
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    with pytest.warns(DeprecationWarning, match="pass max_epochs=3") as caught:
+        ModelUpdater.from_config(str(config), trainer_kwargs=given)
+    assert caught[0].filename == __file__  # from_config's caller, too
 
 
 def test_max_epochs_given_two_ways_with_two_values_is_refused():
