@@ -38,7 +38,8 @@ def main() -> list[str]:
                 make_model(),
                 learner="der",
                 learner_kwargs={"memory_size": 60, "memory_batch_size": 16, "batch_size": 16},
-                trainer_kwargs={"max_epochs": 3, "device": "cpu"},
+                max_epochs=3,
+                trainer_kwargs={"device": "cpu"},
                 input_state_folder=previous,
                 output_state_folder=folder,
             )

@@ -15,7 +15,7 @@ Python::
 
     anytime = AnytimeAccuracy(tasks, every=50)
     updater = ModelUpdater(model, learner=..., listeners=[anytime],
-                           trainer_kwargs={"max_epochs": 1})  # one pass
+                           max_epochs=1)  # one pass
     for task in tasks:
         anytime.reach(task.task_id)
         updater.update(task.train, task_id=task.task_id)

@@ -43,7 +43,7 @@ from renate_events.cli._updaters import (
     optimizer_spec,
     progress,
     selection_settings,
-    trainer_setting,
+    training_arguments,
     training_overrides,
 )
 from renate_events.cli._zoo import (
@@ -308,7 +308,7 @@ def _prepare_seed(
             learner_kwargs=learner_kwargs,
             optimizer=optimizer_spec(first_optimizer, overrides),
             buffer=options.buffer or default_buffer(options.learner),
-            trainer_kwargs=trainer_setting({**overrides, "distributed": distributed}, None, None),
+            **training_arguments({**overrides, "distributed": distributed}, None, None),
             metadata={
                 "model": spec,
                 "scenario": options.scenario,

@@ -103,6 +103,7 @@ def _updater_params(updater: ModelUpdater) -> dict[str, Any]:
         "buffer_storage": updater.buffer_storage,
         "learner_kwargs": dict(updater.learner_kwargs),
         "optimizer": dict(optimizer),
+        "max_epochs": updater.max_epochs,
         "trainer_kwargs": dict(updater.trainer_kwargs),
     }
 

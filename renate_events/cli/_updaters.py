@@ -37,6 +37,7 @@ __all__ = [
     "scratch_setting",
     "selection_settings",
     "trainer_setting",
+    "training_arguments",
     "training_overrides",
     "updater_from_folder",
 ]
@@ -209,6 +210,17 @@ def trainer_setting(
     return trainer_kwargs
 
 
+def training_arguments(
+    overrides: Mapping[str, Any], manifest: Mapping[str, Any] | None, folder: str | None
+) -> dict[str, Any]:
+    """``max_epochs`` and ``trainer_kwargs`` for :class:`ModelUpdater`: the trainer's arguments of
+    :func:`trainer_setting`, the epochs taken out (they are the updater's own argument)."""
+    trainer_kwargs = trainer_setting(overrides, manifest, folder)
+    # Absent from an input state's manifest: written from Python before ModelUpdater recorded
+    # max_epochs, its updates trained one epoch each (None), which a later update keeps.
+    return {"max_epochs": trainer_kwargs.pop("max_epochs", None), "trainer_kwargs": trainer_kwargs}
+
+
 def selection_settings(options: Any) -> dict[str, Any]:
     """Best-model selection, early stopping and the validation memory from the options."""
     metric = options.metric
@@ -276,7 +288,7 @@ def config_updater(
             learner_kwargs=learner_kwargs,
             buffer=buffer,
             buffer_storage=_buffer_storage(overrides, manifest),
-            trainer_kwargs=trainer_setting(overrides, manifest, folder),
+            **training_arguments(overrides, manifest, folder),
             metadata={} if manifest is None else manifest["metadata"],
             **optimizer_setting(overrides, manifest, config, trains, folder),
             **kwargs,
@@ -323,7 +335,7 @@ def updater_from_folder(
             learner_kwargs=learner_kwargs,
             buffer=buffer,
             buffer_storage=_buffer_storage(overrides, manifest),
-            trainer_kwargs=trainer_setting(overrides, manifest, folder),
+            **training_arguments(overrides, manifest, folder),
             metadata=manifest["metadata"],
             input_state_folder=folder,
             lock_timeout=lock_timeout,

@@ -418,7 +418,7 @@ _ALL = (
         default=10,
         low=1,
         later=True,
-        maps_onto=(_TRAINER + "max_epochs",),
+        maps_onto=(_UPDATER + "max_epochs",),
     ),
     Setting(
         "lr",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "check_task_id",
     "check_trainer_kwargs",
     "check_transforms",
+    "max_epochs_of",
     "metrics_mapping",
     "optional_callable",
 ]
@@ -68,6 +71,50 @@ def check_trainer_kwargs(instance: Any, attribute: attrs.Attribute[Any], value: 
     check_known_keys(name, value, trainer_arguments())
     if value.get("capture") == "graph":  # refused here, not when the update builds its trainer
         check_capture_device("graph", value.get("device", "auto"), f"{name}['capture']")
+
+
+def max_epochs_of(updater: Any) -> tuple[int | None, dict[str, Any]]:
+    """A :class:`~renate_events.updater.ModelUpdater`'s epochs per update and its
+    ``trainer_kwargs`` without ``max_epochs``.
+
+    ``trainer_kwargs['max_epochs']``, the earlier way to set the epochs, still sets them (with a
+    :class:`DeprecationWarning` naming ``max_epochs``); given both ways with two values (and
+    ``max_epochs`` not left at its default), a :class:`ValueError`. The caller's dict is not
+    changed.
+    """
+    max_epochs, trainer_kwargs = updater.max_epochs, updater.trainer_kwargs
+    default = attrs.fields(type(updater)).max_epochs.default
+    if "max_epochs" not in trainer_kwargs:
+        return max_epochs, trainer_kwargs
+    given = trainer_kwargs["max_epochs"]
+    if max_epochs != default and given != max_epochs:
+        raise ValueError(
+            f"ModelUpdater: max_epochs={max_epochs!r} and trainer_kwargs['max_epochs']={given!r} "
+            "disagree; give the epochs once, as max_epochs (trainer_kwargs['max_epochs'] is "
+            "deprecated)"
+        )
+    warnings.warn(
+        f"ModelUpdater: trainer_kwargs['max_epochs'] is deprecated; pass max_epochs={given!r} "
+        f"instead (left out, max_epochs is now {default} per update, the command line's "
+        "--epochs)",
+        DeprecationWarning,
+        stacklevel=_outside_level(),
+    )
+    rest = {name: value for name, value in trainer_kwargs.items() if name != "max_epochs"}
+    return given, rest
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` of a warning raised by this function's caller that names the user's
+    line: the first frame outside this package and attrs' generated ``__init__`` (a
+    ``ModelUpdater(...)`` or a ``ModelUpdater.from_config(...)`` in the user's code)."""
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith((here, "<attrs generated"))
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_folder(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -142,7 +142,7 @@ def updater_learner(updater: Any) -> BaseExperienceReplayLearner:
         updater.model,
         updater.learner_kwargs,
         optimizer=optimizer_factory(updater.optimizer),
-        trainer_kwargs=updater.trainer_kwargs,
+        trainer_kwargs=updater.trainer_arguments,
         listeners=updater.listeners,
         functions=functions,
         scheduler_interval=updater.learning_rate_scheduler_interval,

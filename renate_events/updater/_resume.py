@@ -305,7 +305,7 @@ def update_checkpoints(
     functions = UpdateFunctions.of(updater)
     arguments = {
         "config": updater_config(updater),
-        "trainer": updater.trainer_kwargs,
+        "trainer": updater.trainer_arguments,
         "metadata": updater.metadata,
         "functions": [functions.names(), functions.sha256s()],
         "config_sha256": None if updater.config_file is None else updater.config_file.sha256,

@@ -38,6 +38,7 @@ from renate_events.updater._arguments import (
     check_task_id,
     check_trainer_kwargs,
     check_transforms,
+    max_epochs_of,
     metrics_mapping,
     optional_callable,
 )
@@ -101,8 +102,12 @@ class ModelUpdater:
             memory); by default the learner's (:func:`~renate_events.choices.default_buffer`:
             ``"greedy-class-balancing"`` for ``"gdumb"``, which needs it, ``"herding"`` for
             ``"icarl"``, which needs it, else ``"reservoir"``).
-        trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``max_epochs``, ``device``,
-            ``precision``, ...).
+        trainer_kwargs: Keyword arguments of :class:`trainer.Trainer` (``device``, ``precision``,
+            ...); ``max_epochs`` here is deprecated (it warns, and contradicting ``max_epochs``
+            is a ``ValueError``).
+        max_epochs: Epochs per update (Renate's name): 10 by default, as the command line's
+            ``--epochs`` (Renate's default is 50). None: the trainer's own rule, one epoch, or
+            until ``trainer_kwargs['max_steps']``. The manifest's ``trainer`` records it.
         metadata: Anything JSON-able to keep in the manifest (the command line stores how to
             rebuild its model there).
         input_state_folder: A folder written by a previous update, or None for the first one.
@@ -176,7 +181,7 @@ class ModelUpdater:
         >>> data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
         >>> updater = ModelUpdater(torch.nn.Linear(4, 2), learner="er",
         ...     learner_kwargs={"memory_size": 16, "memory_batch_size": 8},
-        ...     trainer_kwargs={"device": "cpu"},
+        ...     max_epochs=1, trainer_kwargs={"device": "cpu"},
         ...     output_state_folder=folder)
         >>> updater.update(data, task_id="day-1").steps
         1
@@ -195,6 +200,9 @@ class ModelUpdater:
         validator=checks.one_of(*BUFFERS),
     )
     trainer_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=check_trainer_kwargs)
+    max_epochs: int | None = attrs.field(
+        default=10, kw_only=True, validator=checks.int_at_least(1, optional=True)
+    )
     metadata: dict[str, Any] = attrs.field(factory=dict, validator=check_json_object)
     input_state_folder: str | os.PathLike[str] | None = attrs.field(
         default=None, validator=check_folder
@@ -268,6 +276,7 @@ class ModelUpdater:
     _memory: ValidationMemory | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
+        self.max_epochs, self.trainer_kwargs = max_epochs_of(self)  # the deprecated way too
         if self.mode is None:  # an accuracy is better when higher; anything else (a loss) lower
             accuracy = self.metric is not None and self.metric.endswith("accuracy")
             self.mode = "max" if accuracy else "min"
@@ -288,6 +297,11 @@ class ModelUpdater:
         meaning. The file's SHA-256 and text are recorded in the state folder.
         """
         return cls(**config_arguments(config, kwargs))
+
+    @property
+    def trainer_arguments(self) -> dict[str, Any]:
+        """The update's :class:`trainer.Trainer` arguments: ``trainer_kwargs``, ``max_epochs``."""
+        return {**self.trainer_kwargs, "max_epochs": self.max_epochs}
 
     @property
     def learner_instance(self) -> BaseExperienceReplayLearner:
@@ -464,7 +478,7 @@ class ModelUpdater:
         return manifest_now(
             self._manifest,
             updater_config(self),
-            trainer=self.trainer_kwargs,
+            trainer=self.trainer_arguments,
             metadata=self.metadata,
             architecture=self.architecture or architecture_of(self.model),
             validation_memory=self._memory is not None,

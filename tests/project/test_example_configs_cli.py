@@ -43,7 +43,8 @@ def _python_api(config_path, env, chunks):
             config,
             learner="er",
             learner_kwargs={"memory_size": 40, "memory_batch_size": 8, "batch_size": 16, "seed": 0},
-            trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu", "precision": "32"},
         )
         for chunk in chunks:
             updater.update(*config.data(chunk, 0), task_id=chunk)

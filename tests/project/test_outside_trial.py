@@ -390,7 +390,8 @@ def _spoiled(change: Callable[[TensorDataset], None]) -> TensorDataset:
 
 
 def _updater(world: pathlib.Path, model: torch.nn.Module, **kwargs: Any) -> ModelUpdater:
-    kwargs.setdefault("trainer_kwargs", {"max_epochs": 1, "device": "cpu"})
+    kwargs.setdefault("max_epochs", 1)
+    kwargs.setdefault("trainer_kwargs", {"device": "cpu"})
     return ModelUpdater(model, learner="er", learner_kwargs={"memory_size": 40}, **kwargs)
 
 
@@ -554,7 +555,7 @@ PYTHON_CASES = [
     ("unknown learner", lambda w, m: ModelUpdater(m, learner="nope"), ValueError, "nope"),
     (
         "epochs 0",
-        lambda w, m: _updater(w, m, trainer_kwargs={"max_epochs": 0}).learner_instance,
+        lambda w, m: _updater(w, m, max_epochs=0).learner_instance,
         ValueError,
         "max_epochs",
     ),

@@ -26,7 +26,8 @@ def _updater(listeners) -> ModelUpdater:
         small_mlp(),
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8, "seed": 1},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         listeners=listeners,
     )
 

@@ -122,7 +122,8 @@ def test_two_updates_in_two_processes_and_evaluate_equal_the_python_api(tmp_path
             "seed": 0,
             "alpha": 0.3,
         },
-        trainer_kwargs={"max_epochs": 2, "device": "cpu", "precision": "32"},
+        max_epochs=2,
+        trainer_kwargs={"device": "cpu", "precision": "32"},
     )
     for chunk in (0, 1):
         updater.update(*loaded.data(chunk, 0), task_id=chunk)
@@ -211,7 +212,8 @@ def _updater(model, **kwargs):
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8},
         optimizer={"name": "sgd", "lr": 2.0},  # large enough for the loss to go up and down
-        trainer_kwargs={"device": "cpu", "max_epochs": 6},
+        max_epochs=6,
+        trainer_kwargs={"device": "cpu"},
         **kwargs,
     )
 
@@ -240,7 +242,8 @@ def test_early_stopping_ends_an_update_that_stops_improving():
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8},
         optimizer={"name": "sgd", "lr": 0.0},  # the loss never improves after the first epoch
-        trainer_kwargs={"device": "cpu", "max_epochs": 10},
+        max_epochs=10,
+        trainer_kwargs={"device": "cpu"},
         metric="val_loss",
         early_stopping_enabled=True,
         early_stopping_patience=2,
@@ -298,6 +301,7 @@ def test_a_later_update_may_change_hyperparameters_but_not_the_buffers_size(tmp_
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 8, "batch_size": 4, "alpha": 0.2},
         optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9},
+        max_epochs=1,
         trainer_kwargs={"device": "cpu"},
         input_state_folder=tmp_path / "s",
     )
@@ -509,7 +513,8 @@ def test_listeners_keep_their_state_across_processes_and_collate_fn_batches_data
         config,
         learner="er",
         learner_kwargs={"memory_size": 8, "memory_batch_size": 4, "batch_size": 5, "seed": 0},
-        trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu", "precision": "32"},
         input_state_folder=tmp_path / "s1",
     )
     (counter,) = updater.listeners
@@ -636,7 +641,8 @@ def test_a_config_files_transforms_make_the_float_input_from_uint8_data(tmp_path
         config,
         learner="der",
         learner_kwargs={"memory_size": 20, "memory_batch_size": 8, "batch_size": 16, "seed": 0},
-        trainer_kwargs={"max_epochs": 1, "device": "cpu", "precision": "32"},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu", "precision": "32"},
         input_state_folder=tmp_path / "s1",
     )
     buffer = updater.learner_instance.buffer

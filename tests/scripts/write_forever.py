@@ -20,7 +20,8 @@ updater = ModelUpdater(
     model,
     learner="er",
     learner_kwargs={"memory_size": 6000, "memory_batch_size": 8, "batch_size": 512},
-    trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+    max_epochs=1,
+    trainer_kwargs={"device": "cpu"},
     output_state_folder=folder if kind == "folder" else None,
 )
 data = TensorDataset(torch.randn(6000, 256), torch.randint(0, 4, (6000,)))

@@ -77,6 +77,8 @@ def test_run_and_update_with_mlflow_log_params_metrics_results_and_the_state(
     assert run.info.status == updated.info.status == "FINISHED"
     assert run.data.params["options.epochs"] == "1" and run.data.params["seed"] == "0"
     assert run.data.params["learner_kwargs.memory_size"] == "40"
+    assert run.data.params["max_epochs"] == "1"  # the updater's argument, not the trainer's
+    assert updated.data.params["max_epochs"] == "1"  # the input state's, kept
     history = client.get_metric_history(run.info.run_id, "average_accuracy")
     assert len(history) == 5 and [m.step for m in history] == sorted(m.step for m in history)
     results = json.loads((out / "results.json").read_text())["runs"][0]["metrics"]

@@ -258,7 +258,8 @@ def test_buffer_filling_may_change_between_updates_of_a_state_folder(tmp_path):
             _model(),
             learner="der",
             learner_kwargs={"memory_size": 20, "memory_batch_size": 4, "buffer_filling": filling},
-            trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu"},
             input_state_folder=folder_in,
             output_state_folder=folder_out,
         )

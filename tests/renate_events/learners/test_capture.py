@@ -274,7 +274,8 @@ def test_a_step_of_many_eager_parts_stays_below_the_recompile_limit(tmp_path):
             model,
             learner=name,
             learner_kwargs={"memory_size": 40},
-            trainer_kwargs={"capture": capture, "max_epochs": 2, "device": "cpu"},
+            max_epochs=2,
+            trainer_kwargs={"capture": capture, "device": "cpu"},
             input_state_folder=tmp_path / "first",
             output_state_folder=tmp_path / capture,
             listeners=[noted],
@@ -288,7 +289,8 @@ def test_a_step_of_many_eager_parts_stays_below_the_recompile_limit(tmp_path):
         torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
         learner=name,
         learner_kwargs={"memory_size": 40},
-        trainer_kwargs={"max_epochs": 2, "device": "cpu"},
+        max_epochs=2,
+        trainer_kwargs={"device": "cpu"},
         output_state_folder=tmp_path / "first",
     ).update(data(0, 100), data(10, 40))
     eager, compiled = second_update("off"), second_update("compile")

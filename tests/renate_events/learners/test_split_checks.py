@@ -117,7 +117,8 @@ def _updater(**kwargs) -> ModelUpdater:
         torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8, "seed": 0},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         **kwargs,
     )
 

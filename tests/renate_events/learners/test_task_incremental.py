@@ -239,7 +239,8 @@ def test_state_folders_keep_the_task_ids(tmp_path) -> None:
     settings = {
         "learner": "er",
         "learner_kwargs": {"memory_size": 64, "memory_batch_size": 8},
-        "trainer_kwargs": {"device": "cpu", "max_epochs": 1},
+        "max_epochs": 1,
+        "trainer_kwargs": {"device": "cpu"},
     }
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     ModelUpdater(two_heads(), output_state_folder=first, **settings).update(_task_data(0))

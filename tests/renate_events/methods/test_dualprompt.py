@@ -87,7 +87,8 @@ def test_an_update_beyond_the_pool_is_an_update_input_error_of_the_updater(tmp_p
             model=vit(num_classes=4, image_size=8, patch_size=4, dim=32, depth=2),
             learner="dualprompt",
             learner_kwargs={"g_prompt_layers": [0], "e_prompt_layers": [1], "pool_size": 1},
-            trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu"},
             **folders,
         )
 

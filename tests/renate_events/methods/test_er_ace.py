@@ -151,7 +151,8 @@ def test_er_ace_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         model=_model(),
         learner="er-ace",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 8, "batch_size": 8},
-        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         output_state_folder=str(tmp_path / "state"),
     )
     updater.update(labelled([0, 1] * 8, seed=0))

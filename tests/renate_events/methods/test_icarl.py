@@ -372,7 +372,7 @@ def test_state_folders_keep_exemplars_and_class_means(tmp_path):
                 "batch_size": 8,
                 "feature_modules": ["1"],
             },
-            trainer_kwargs={"max_epochs": 1},
+            max_epochs=1,
             **folders,
         )
 

@@ -99,7 +99,8 @@ def test_state_folder_round_trip_through_the_updater(name, tmp_path):
             model=tiny_vit(seed=len(folders)),
             learner=name,
             learner_kwargs={"batch_size": 8, **SMALL_ARGS[name]},
-            trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu"},
             **folders,
         )
 

@@ -187,7 +187,8 @@ def test_updates_through_state_folders(tmp_path):
             _model(),
             learner="repeated-distill",
             learner_kwargs={"memory_size": 12, "batch_size": 8},
-            trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu"},
             input_state_folder=folder_in,
             output_state_folder=folder_out,
         )

@@ -301,7 +301,8 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         model=_model(),
         learner="xder",
         learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
-        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         output_state_folder=str(tmp_path / "state"),
     )
     updater.update(labelled([0, 1] * 8, seed=0))
@@ -314,7 +315,8 @@ def test_xder_is_registered_and_reaches_the_updater_and_the_schema(tmp_path):
         model=_model(),
         learner="xder",
         learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
-        trainer_kwargs={"max_epochs": 1, "device": "cpu"},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         input_state_folder=str(tmp_path / "state"),
         output_state_folder=str(tmp_path / "next"),
     )

@@ -36,6 +36,7 @@ def _updater(**kwargs):
         kwargs.pop("model", None) or torch.nn.Linear(4, 2),
         learner="er",
         learner_kwargs={"memory_size": 10, "memory_batch_size": 4, "batch_size": 8},
+        max_epochs=kwargs.pop("max_epochs", 1),
         trainer_kwargs={"device": "cpu"},
         **kwargs,
     )
@@ -375,8 +376,8 @@ FILE_SIZE_LIMIT = textwrap.dedent(
     state = sys.argv[1]
     updater = ModelUpdater(torch.nn.Linear(64, 8), learner="er",
         learner_kwargs={"memory_size": 200, "memory_batch_size": 4, "batch_size": 8},
-        trainer_kwargs={"device": "cpu"}, input_state_folder=state, output_state_folder=state,
-        in_place=True)
+        max_epochs=1, trainer_kwargs={"device": "cpu"}, input_state_folder=state,
+        output_state_folder=state, in_place=True)
     updater.learner_instance
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
@@ -395,6 +396,7 @@ def test_a_file_size_limit_is_a_checkpoint_error_and_leaves_the_old_state(tmp_pa
         torch.nn.Linear(64, 8),
         learner="er",
         learner_kwargs={"memory_size": 200, "memory_batch_size": 4, "batch_size": 8},
+        max_epochs=1,
         trainer_kwargs={"device": "cpu"},
         output_state_folder=state,
     ).update(TensorDataset(torch.randn(300, 64), torch.randint(0, 8, (300,))), task_id="kept")

@@ -45,7 +45,8 @@ def _updater(**kwargs: Any) -> ModelUpdater:
         kwargs.pop("model", None) or _model(),
         learner=LEARNER,
         learner_kwargs={"memory_size": 12, "memory_batch_size": 4, "batch_size": 8},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         metadata={"model": MODEL_META},
         **kwargs,
     )

@@ -64,7 +64,8 @@ def _updater(learner, storage, fail, **folders) -> ModelUpdater:
             "seed": 3,
             **({"feature_modules": ["1"]} if learner == "icarl" else {}),  # the hidden layer
         },
-        trainer_kwargs={"device": "cpu", "max_epochs": 2},
+        max_epochs=2,
+        trainer_kwargs={"device": "cpu"},
         buffer_storage=storage,
         listeners=[fail],
         **folders,

@@ -39,7 +39,8 @@ def _updater(storage, learner="der", **kwargs):
         learner=learner,
         buffer="greedy-class-balancing" if learner == "gdumb" else "reservoir",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8, "seed": 3},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         buffer_storage=storage,
         **kwargs,
     )
@@ -454,7 +455,8 @@ def _mapped_updater(folder):
         torch.nn.Linear(4, 3),
         learner="er",
         learner_kwargs={"memory_size": 16, "memory_batch_size": 4, "batch_size": 8},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         buffer_storage="mapped",
         output_state_folder=folder,
     )
@@ -519,7 +521,8 @@ def test_mapped_storage_without_a_mapped_herding_buffer_is_refused_naming_the_se
             learner="icarl",
             buffer="herding",
             learner_kwargs={"memory_size": 6},
-            trainer_kwargs={"device": "cpu", "max_epochs": 1},
+            max_epochs=1,
+            trainer_kwargs={"device": "cpu"},
             buffer_storage="mapped",
             output_state_folder=tmp_path / "out",
         )

@@ -65,7 +65,8 @@ def _updater(learner: str, interrupt: _Interrupt, output, start=None, **kwargs) 
             "seed": 3,
             **own,
         },
-        trainer_kwargs={"device": "cpu", "max_epochs": 3},
+        max_epochs=kwargs.pop("max_epochs", 3),
+        trainer_kwargs={"device": "cpu"},
         listeners=[interrupt],
         input_state_folder=start,
         output_state_folder=output,
@@ -232,6 +233,7 @@ OTHER_UPDATES = {
     "task id": ({}, "c", "the task id"),
     "data": ({"data_seed": 5}, "b", "the training data"),
     "arguments": ({"optimizer": {"name": "adam", "lr": 0.01}}, "b", "the updater's arguments"),
+    "epochs": ({"max_epochs": 2}, "b", "the updater's arguments"),  # not in trainer_kwargs
 }
 
 

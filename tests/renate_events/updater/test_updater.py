@@ -26,7 +26,8 @@ def _updates(learner, first, last, input_folder, output_folder):
         learner=learner,
         learner_kwargs={"memory_size": 24, "memory_batch_size": 8, "batch_size": 8, "seed": 5},
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        trainer_kwargs={"max_epochs": 2, "device": "cpu"},
+        max_epochs=2,
+        trainer_kwargs={"device": "cpu"},
         input_state_folder=input_folder,
         output_state_folder=output_folder,
     )
@@ -84,6 +85,7 @@ def _updater(model, **kwargs):
         learner_kwargs=kwargs.pop(
             "learner_kwargs", {"memory_size": 10, "memory_batch_size": 4, "batch_size": 8}
         ),
+        max_epochs=kwargs.pop("max_epochs", 1),
         trainer_kwargs={"device": "cpu"},
         **kwargs,
     )
@@ -229,7 +231,8 @@ def test_the_updaters_loss_probe_sees_the_train_target_transforms_labels():
         torch.nn.Linear(4, 4),
         learner="er",
         learner_kwargs={"memory_size": 8, "memory_batch_size": 4, "batch_size": 4},
-        trainer_kwargs={"device": "cpu", "max_epochs": 1},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
         transforms={"train_target_transform": shift, "buffer_target_transform": shift},
     )
     assert updater.update(TensorDataset(torch.randn(8, 4), torch.arange(8) % 4 + 10)).steps == 2
@@ -243,7 +246,11 @@ def test_model_updater_builds_the_buffer_the_learner_needs_when_none_is_named(le
     if learner == "icarl":
         kwargs["feature_modules"] = ["1"]
     updater = ModelUpdater(
-        model=small_mlp(), learner=learner, learner_kwargs=kwargs, trainer_kwargs={"device": "cpu"}
+        model=small_mlp(),
+        learner=learner,
+        learner_kwargs=kwargs,
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu"},
     )
     assert updater.update(two_class_task(0)).steps > 0
 

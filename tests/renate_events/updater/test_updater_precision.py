@@ -36,7 +36,8 @@ def test_the_switches_reach_the_trainer_and_the_manifest(tmp_path):
     updater = ModelUpdater(
         _conv_model(),
         learner="er",
-        trainer_kwargs={"device": "cpu", "max_epochs": 1, **switches},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu", **switches},
         output_state_folder=str(tmp_path / "state"),
     )
     trainer = updater.learner_instance.trainer
@@ -52,7 +53,8 @@ def test_the_switches_reach_the_trainer_and_the_manifest(tmp_path):
         _conv_model(),
         learner="er",
         input_state_folder=str(tmp_path / "state"),
-        trainer_kwargs={"device": "cpu", "max_epochs": 1, **switches},
+        max_epochs=1,
+        trainer_kwargs={"device": "cpu", **switches},
     )
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.learner_instance.model.state_dict()[name], tensor), name
