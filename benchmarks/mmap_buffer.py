@@ -15,7 +15,8 @@ minute); ``--slots 1000000`` for ~3 GB.
 
 ``--state-folder`` measures instead what a :class:`~renate_events.updater.ModelUpdater` update
 costs around its buffer, for ``buffer_storage="memory"`` and ``"mapped"``: an ER learner whose
-reservoir of ``--slots`` uint8 CIFAR-shaped samples (with their logits, 3 120 bytes) is full,
+reservoir of ``--slots`` uint8 CIFAR-shaped samples (with their logits, 3 120 bytes) is full
+(an earlier update, untimed, trained on ``--slots`` samples),
 trained for one epoch on 256 new samples, then the output state folder written
 (``write_output``: checkpoint, buffer files, checksums) and read back by the next update's
 updater (checksums verified, the buffer copied into its working files); plus, for scale, one
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from renate_events.memory import DataBuffer, ReservoirBuffer
 from renate_events.memory.mapped import MappedReservoirBuffer
@@ -117,15 +118,40 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+class _Cycled(Dataset):
+    """``n`` CIFAR-shaped samples that cycle over one chunk: a first update that fills a large
+    buffer by training on it, without holding ``n`` samples in memory."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.inputs, self.targets, _ = _batch(CHUNK, torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index % CHUNK], self.targets[index % CHUNK]
+
+
 def state_folder_cost(slots: int, folder: str | None) -> None:
     """One update's buffer-related cost through state folders, in memory and mapped."""
     inputs, targets, _ = _batch(256, torch.Generator().manual_seed(2))
     new = TensorDataset(inputs, targets)
     for storage in ("memory", "mapped"):
         with tempfile.TemporaryDirectory(dir=folder) as root:
-            first = os.path.join(root, "s1")
-            updater = _state_updater(storage, slots, output_state_folder=first)
-            fill(updater.learner_instance.buffer, slots)
+            # The buffer is filled by a first update that trained on ``slots`` samples (untimed):
+            # a buffer filled behind the updater's back has seen more samples than the state
+            # folder's updates trained on, which the next update's checks refuse.
+            filled, first = os.path.join(root, "s0"), os.path.join(root, "s1")
+            filling = _state_updater(storage, slots, output_state_folder=filled)
+            filling.update(_Cycled(slots), None, None)
+            filling.write_output()
+            del filling
+            gc.collect()
+            updater = _state_updater(
+                storage, slots, input_state_folder=filled, output_state_folder=first
+            )
+            _ = updater.learner_instance  # reading the filled folder is not the update's cost
             train = _timed(updater.update, new, None, None)
             write = _timed(updater.write_output)
             del updater

@@ -146,3 +146,14 @@ def test_resume_kills_counts_bit_identical_reruns():
     count = re.search(r"(\d+) of (\d+) killed updates resumed bit-identical", out)
     assert count is not None, out
     assert count.group(1) == count.group(2), out
+
+
+@pytest.mark.slow
+def test_mmap_buffer_measures_steps_and_state_folders(tmp_path):
+    out = _run("mmap_buffer.py", "--slots", "600", "--steps", "20", "--folder", str(tmp_path))
+    assert "mapped" in out and "memory" in out, out
+    # the state folders of a filled buffer are read back by the next update (refused once: the
+    # buffer was filled behind the updater's back, more samples seen than the updates trained on)
+    out = _run("mmap_buffer.py", "--state-folder", "--slots", "600", "--folder", str(tmp_path))
+    for storage in ("memory", "mapped"):
+        assert f"{storage}: update (1 epoch, 256 samples)" in out, out
