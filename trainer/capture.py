@@ -45,6 +45,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import types
 import warnings
 import weakref
@@ -124,7 +125,7 @@ def _own_code(wrapper: _F, function: Callable[..., Any]) -> _F:
     # anew each time and find their compiled frames (a new code object traced them again)
     key = (wrapper.__code__, getattr(getattr(function, "__func__", function), "__code__", name))
     code = wrapper.__code__.replace(co_name=name)
-    if hasattr(code, "co_qualname"):  # Python 3.11 and later
+    if sys.version_info >= (3, 11):  # no co_qualname before
         code = code.replace(co_qualname=name)
     code = _CODES.setdefault(key, code)
     closure, defaults = wrapper.__closure__, wrapper.__defaults__

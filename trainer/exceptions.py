@@ -7,6 +7,8 @@ catch them all in one place. Errors about bad arguments also derive from the bui
 
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "CaptureError",
     "CheckpointError",
@@ -111,8 +113,10 @@ def add_note(error: BaseException, note: str) -> None:
         >>> error.__notes__
         ['while cleaning up: disk full']
     """
-    if hasattr(error, "add_note"):
+    # a version check, not hasattr: mypy reads it, so a 3.11-only call outside it is an error
+    if sys.version_info >= (3, 11):
         error.add_note(note)
-        return
-    notes = getattr(error, "__notes__", None)  # Python 3.10
-    error.__notes__ = [*notes, note] if isinstance(notes, list) else [note]
+    else:
+        notes = getattr(error, "__notes__", None)
+        notes = [*notes, note] if isinstance(notes, list) else [note]
+        error.__notes__ = notes  # type: ignore[attr-defined]  # 3.10's BaseException lacks it
