@@ -135,22 +135,16 @@ def test_another_scenario_is_evaluated_without_the_record(run, capsys):
 def test_a_config_files_state_is_evaluated_on_a_data_file(tmp_path, capsys):
     import numpy as np
     import torch
-    from safetensors.torch import load_file
 
-    from tests.renate_events.cli.test_predict import CONFIG
+    from tests.renate_events.cli.test_predict import config_model, config_state
 
-    config = tmp_path / "config.py"
-    config.write_text(CONFIG)
-    state = str(tmp_path / "s0")
-    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
-    assert main([*update, "--no-progress"]) == 0
+    config, state = config_state(tmp_path)
     inputs = torch.randn(40, 8, generator=torch.Generator().manual_seed(5))
     targets = (inputs[:, 0] > 0).long() + 2 * (inputs[:, 1] > 0).long()
     np.savez(tmp_path / "new.npz", inputs=inputs.numpy(), targets=targets.numpy())
     argv = ["--state", state, "--config-file", str(config), "--data", str(tmp_path / "new.npz")]
     lines = _accuracies(capsys, argv)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    model = config_model(state)
     with torch.no_grad():
         accuracy = float((model(inputs).argmax(dim=1) == targets).double().mean())
     assert lines == [f"task 0: accuracy {accuracy:.4f} (40 samples)"]

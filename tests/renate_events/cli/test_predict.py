@@ -3,6 +3,7 @@ method whose spec names it), written as .npz or .csv, and one line for each bad 
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 
 import numpy as np
@@ -147,20 +148,32 @@ def test_data_fn(chunk_id, seed):
 """
 
 
-def test_a_config_files_chunk_and_a_chunk_it_lacks(tmp_path, capsys):
-    from safetensors.torch import load_file
-
-    config = tmp_path / "config.py"
+def config_state(folder: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """``CONFIG`` written to ``folder`` and the state folder of one update with it."""
+    config = folder / "config.py"
     config.write_text(CONFIG)
-    state = str(tmp_path / "s0")
+    state = str(folder / "s0")
     update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
     assert main([*update, "--no-progress"]) == 0
+    return config, state
+
+
+def config_model(state: str) -> torch.nn.Module:
+    """``CONFIG``'s model with the weights of ``state``."""
+    from safetensors.torch import load_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    return model
+
+
+def test_a_config_files_chunk_and_a_chunk_it_lacks(tmp_path, capsys):
+    config, state = config_state(tmp_path)
     output = tmp_path / "chunk1.npz"
     args = ["predict", "--state", state, "--config-file", str(config)]
     assert main([*args, "--chunk-id", "1", "--output", str(output)]) == 0
     assert "24 samples, logits classifier" in capsys.readouterr().out
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    model = config_model(state)
     generator = torch.Generator().manual_seed(1000 + 2)
     with torch.no_grad():
         expected = model(torch.randn(24, 8, generator=generator)).argmax(dim=1)
@@ -218,13 +231,7 @@ def test_an_unknown_device_is_one_line(state, data, tmp_path, capsys):
 
 
 def test_a_config_files_state_predicts_on_a_data_file(tmp_path, capsys):
-    from safetensors.torch import load_file
-
-    config = tmp_path / "config.py"
-    config.write_text(CONFIG)
-    state = str(tmp_path / "s0")
-    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
-    assert main([*update, "--no-progress"]) == 0
+    config, state = config_state(tmp_path)
     capsys.readouterr()
     inputs = torch.randn(12, 8, generator=torch.Generator().manual_seed(5))
     np.savez(tmp_path / "new.npz", inputs=inputs.numpy())
@@ -235,18 +242,13 @@ def test_a_config_files_state_predicts_on_a_data_file(tmp_path, capsys):
     argv = [*plain, "--config-file", str(config), "--output", str(output)]
     assert main(argv) == 0
     assert "12 samples, logits classifier" in capsys.readouterr().out
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model.load_state_dict(load_file(f"{state}/model.safetensors"))
+    model = config_model(state)
     with torch.no_grad(), np.load(output) as saved:
         assert saved["labels"].tolist() == model(inputs).argmax(dim=1).tolist()
 
 
 def test_a_config_files_state_refuses_data_its_model_cannot_take(tmp_path, capsys):
-    config = tmp_path / "config.py"
-    config.write_text(CONFIG)
-    state = str(tmp_path / "s0")
-    update = ["update", "--config-file", str(config), "--output-state", state, "--epochs", "1"]
-    assert main([*update, "--no-progress"]) == 0
+    config, state = config_state(tmp_path)
     capsys.readouterr()
     np.savez(tmp_path / "wide.npz", inputs=np.zeros((4, 5), dtype=np.float32))
     np.savez(tmp_path / "doubles.npz", inputs=np.zeros((4, 8)))  # numpy's default: float64
