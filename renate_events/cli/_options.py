@@ -340,6 +340,9 @@ def _flag_message(flag: str, rest: str, exc: ValueError) -> str:
         return f"unknown {flag} {choice.group(2)}; choose from {choice.group(1)}"
     if not isinstance(exc, checks.WrongTypeError):
         rest = rest.replace("must be an int >= ", "must be >= ", 1)
+        # an optional int (None: filled in later, as update's --epochs) words low 1 "a positive
+        # int": one wording for a setting in every command
+        rest = rest.replace("must be a positive int", "must be >= 1", 1)
     # None is what leaving the option out gives: it cannot be typed, so it is not offered
     rest = re.sub(r"^(must be .*?) or None, got ", r"\1, got ", rest)
     return f"{flag} {rest}"

@@ -67,7 +67,7 @@ def test_a_class_order_list_is_recorded(tmp_path: pathlib.Path) -> None:
         (["--scenario", "rotated-digits", "--class-order", "seed:1"], ["--class-order is for"]),
         (["--eval-every", "5"], ["--eval-every", "add --online"]),
         (["--online", "--epochs", "5"], ["--online trains one pass", "--epochs 5"]),
-        (["--online", "--eval-every", "0"], ["--eval-every must be a positive int"]),
+        (["--online", "--eval-every", "0"], ["--eval-every must be >= 1, got 0"]),
         (["--class-order", "1,2,3"], ["--class-order 1,2,3", "exactly once"]),
         (["--class-order", "a,b"], ["--class-order a,b: give seed:N"]),
         (["--class-order", "seed:x"], ["seed:N"]),
