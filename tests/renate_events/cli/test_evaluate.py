@@ -165,6 +165,16 @@ def test_a_config_files_state_is_evaluated_on_a_data_file(tmp_path, capsys):
     bad = ["evaluate", *argv[:-1], str(tmp_path / "labels.npz")]
     one_line_cli_error(capsys, bad, f"--data {tmp_path / 'labels.npz'}: the test labels range")
     one_line_cli_error(capsys, ["evaluate", *argv, "--chunk-ids", "0"], "not both")
+    # inputs the model cannot take: the model's error and what to do
+    np.savez(tmp_path / "wide.npz", inputs=np.zeros((4, 9), np.float32), targets=np.zeros(4, int))
+    np.savez(tmp_path / "f64.npz", inputs=np.zeros((4, 8)), targets=np.zeros(4, int))
+    for name, fix in (
+        ("wide.npz", "the model rejected samples of the shape (9,): give inputs of the shape"),
+        ("f64.npz", "float64 (1, 8)"),
+        ("f64.npz", "; save the inputs as float32 or convert them in test_transform"),
+    ):
+        wrong = ["evaluate", *argv[:-1], str(tmp_path / name)]
+        one_line_cli_error(capsys, wrong, "the model fails on its inputs", fix)
     for other in (["--data", str(tmp_path / "new.npz")], ["--config-file", str(config)]):
         argv = ["evaluate", "--state", state, "--scenario", "split-digits", *other]
         one_line_cli_error(capsys, argv, f"--scenario and {other[0]}:")
