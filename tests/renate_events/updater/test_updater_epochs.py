@@ -153,14 +153,14 @@ def test_a_folder_that_recorded_no_epochs_keeps_one_epoch_per_update(tmp_path):
 @pytest.mark.parametrize(
     ("max_epochs", "words"),
     [
-        (10, "pass max_epochs=2 instead (the 2 given there is used, as max_epochs is at its "
-             "default 10"),  # fmt: skip
+        (
+            10,
+            "pass max_epochs=2 instead (the 2 given there is used, as max_epochs is at its default",
+        ),
         (2, "pass max_epochs=2 instead (max_epochs is 2 too: give the epochs once)"),
     ],
 )
-def test_the_deprecation_warning_says_what_happens_when_max_epochs_is_given_too(
-    max_epochs, words
-):
+def test_the_deprecation_warning_says_what_happens_when_max_epochs_is_given_too(max_epochs, words):
     given = {"device": "cpu", "max_epochs": 2}
     with pytest.warns(DeprecationWarning) as caught:
         updater = _updater(max_epochs=max_epochs, trainer_kwargs=given)
