@@ -182,8 +182,38 @@ def config_fitted(
     try:
         check_split(learner, data, "test")
     except ValueError as exc:
-        raise UsageError(f"{what}: {one_line(exc)}") from None
+        message = one_line(exc)
+        # learners.model_refused's words: the model failed on the inputs, say what to do
+        fix = _refused_fix(data.tensors[0], learner) if "the model fails on" in message else ""
+        message += f"; {fix}" if fix else ""
+        raise UsageError(f"{what}: {message}") from None
     return data
+
+
+def _refused_fix(inputs: torch.Tensor, learner: Any) -> str:
+    """What to do when a config file's model fails on a data file's inputs (as its
+    ``test_transform`` makes them): another floating dtype than the model's is saved as the
+    model's, else the shape is the model's to match; empty for integer inputs to a floating
+    model (the refusal names the transform to define)."""
+    sample = inputs[:1]
+    if learner.test_transform is not None:
+        try:  # runs only on a refusal; the transform's own failure was said already
+            sample = learner.probe_transform("test_transform", sample)
+        except Exception:  # the raw inputs then say what can be said
+            sample = inputs[:1]
+    weights = [p.dtype for p in learner.model.parameters() if p.dtype.is_floating_point]
+    if not isinstance(sample, torch.Tensor):
+        return "make test_transform give a tensor the model takes"
+    if weights and not sample.dtype.is_floating_point:
+        return ""
+    if weights and sample.dtype != weights[0]:
+        wanted = str(weights[0]).removeprefix("torch.")
+        return f"save the inputs as {wanted} or convert them in test_transform"
+    return (
+        f"the model rejected samples of the shape {tuple(sample.shape[1:])}: give inputs of the "
+        "shape it takes (as the config file's data_fn gives them), or reshape them in "
+        "test_transform"
+    )
 
 
 def fitted_inputs(what: str, inputs: torch.Tensor, spec: Mapping[str, Any]) -> torch.Tensor:

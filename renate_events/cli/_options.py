@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -183,16 +184,33 @@ def _loads_toml(text: str) -> dict[str, Any] | None:
     return None if _too_deep(table) else table
 
 
+def _is_python(path: str, text: str) -> bool:
+    """Whether a file given to ``--config`` (TOML) is a Python config file: named ``*.py``, or
+    Python that defines a function or imports (as ``model_fn``'s file does; a line such as
+    ``epochs = x`` parses as Python too, and is a TOML mistake)."""
+    if path.endswith(".py"):
+        return True
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: a null byte
+        return False
+    kinds = (ast.FunctionDef, ast.Import, ast.ImportFrom)
+    return any(isinstance(node, kinds) for node in tree.body)
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """The table of a TOML file; an unreadable, invalid or too deep file is a
     :class:`UsageError`."""
+    text = ""
     try:
         with open(path, "rb") as handle:
-            table = _loads_toml(handle.read().decode("utf-8"))
+            text = handle.read().decode("utf-8")
+        table = _loads_toml(text)
     except OSError as exc:
         raise UsageError(f"cannot read --config {path}: {exc.strerror}") from exc
     except ValueError as exc:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
-        raise UsageError(f"{path} is not valid TOML: {exc}") from exc
+        hint = "; a Python config file goes to --config-file" if _is_python(path, text) else ""
+        raise UsageError(f"{path} is not valid TOML: {exc}{hint}") from exc
     if table is None:
         raise UsageError(
             f"{path}: its tables or arrays nest deeper than {_MAX_DEPTH} levels, deeper than "
@@ -340,6 +358,9 @@ def _flag_message(flag: str, rest: str, exc: ValueError) -> str:
         return f"unknown {flag} {choice.group(2)}; choose from {choice.group(1)}"
     if not isinstance(exc, checks.WrongTypeError):
         rest = rest.replace("must be an int >= ", "must be >= ", 1)
+        # an optional int (None: filled in later, as update's --epochs) words low 1 "a positive
+        # int": one wording for a setting in every command
+        rest = rest.replace("must be a positive int", "must be >= 1", 1)
     # None is what leaving the option out gives: it cannot be typed, so it is not offered
     rest = re.sub(r"^(must be .*?) or None, got ", r"\1, got ", rest)
     return f"{flag} {rest}"

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -340,11 +341,13 @@ def _checked_record(path: str, record: Any) -> dict[str, Any]:
 def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> list[Any]:
     """The tasks ``evaluate --scenario`` evaluates on: with the seed and the variants the state
     folder's run recorded for that scenario (``--seed`` and ``--class-order`` may only repeat
-    them), else with the options' (default seed 0: a folder written before the record, or a
-    run of another scenario)."""
+    them: a class order only needs to make the same tasks), else with the options' (default
+    seed 0: a folder written before the record, or a run of another scenario; a note on stderr
+    says so)."""
     given = scenario_variants(options)
     if metadata.get("scenario") != options.scenario or SCENARIO_ARGS not in metadata:
         seed = setting("seed").default if options.seed is None else options.seed
+        _note_unrecorded(state, metadata.get("scenario"), options, seed)
         return scenario_tasks(options.scenario, options.data_dir, seed, given)
     record = _checked_record(os.path.join(state, "manifest.json"), metadata[SCENARIO_ARGS])
     trained = f"{state} was trained on --scenario {options.scenario}"
@@ -356,32 +359,62 @@ def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> l
         )
     variants = {name: record[name] for name in ("class_order", "blurry") if record[name]}
     tasks = scenario_tasks(options.scenario, options.data_dir, record["seed"], variants)
-    if "class_order" in given:
-        classes = sorted(c for task in tasks for c in task.classes)
-        if not _same_order(
-            options.class_order, given["class_order"], record["class_order"], classes
-        ):
-            order = record["class_order"]
-            shown = (
-                "the classes in sorted order"
-                if order is None
-                else f"--class-order {options_text(order)}"
-            )
-            raise UsageError(
-                f"--class-order {options.class_order}: {trained} with {shown} (its manifest "
-                "records it); another order makes other tasks: leave --class-order out"
-            )
+    mine = given.get("class_order")
+    if mine is not None and not _same_tasks(
+        options.class_order, mine, record["class_order"], tasks
+    ):
+        order = record["class_order"]
+        shown = (
+            "the classes in sorted order"
+            if order is None
+            else f"--class-order {options_text(order)}"
+        )
+        raise UsageError(
+            f"--class-order {options.class_order}: {trained} with {shown} (its manifest "
+            "records it); an order that puts other classes in a task makes other tasks: leave "
+            "--class-order out"
+        )
     return tasks
 
 
-def _same_order(text: str, given: Any, recorded: Any, classes: Sequence[int]) -> bool:
-    """Whether the given class order (``text`` as written) orders ``classes`` as the recorded
-    one does (each None: sorted; ``"seed:N"``; a list of ids)."""
+def _note_unrecorded(state: str, trained: Any, options: Any, seed: int) -> None:
+    """One note on stderr where ``evaluate --scenario`` cannot build the run's tasks: the state
+    folder's run was of another scenario, or the folder records no seed and class order (written
+    before they were recorded) and the options leave one of them out. Not an error: the
+    evaluation runs on the tasks the note names."""
+    order = "the sorted classes" if options.class_order is None else "that --class-order"
+    used = f"--seed {seed} and {order}"
+    if trained is not None and trained != options.scenario:
+        text = (
+            f"{state} was trained on --scenario {trained}, not {options.scenario}: these tasks "
+            f"({used}) are not its run's"
+        )
+    elif options.seed is None or options.class_order is None:
+        text = (
+            f"{state} records no seed or class order of its run (written before they were "
+            f"recorded); evaluating on {used}: give the run's with --seed and --class-order"
+        )
+    else:
+        return
+    print(f"renate-events: note: {text}", file=sys.stderr)
+
+
+def _same_tasks(text: str, given: Any, recorded: Any, tasks: Sequence[Any]) -> bool:
+    """Whether the given class order (``text`` as written) makes the recorded one's tasks: the
+    same classes in each task, in task order (the order within a task changes nothing). Each
+    order is None (sorted), ``"seed:N"`` or a list of ids, cut into ``len(tasks)`` groups as the
+    scenario cuts it."""
+    classes = sorted(c for task in tasks for c in task.classes)
     try:
         mine = resolve_class_order(given, classes)
     except ValueError as exc:  # not an order of those classes
         raise UsageError(f"--class-order {text}: {one_line(exc)}") from None
-    return mine == (resolve_class_order(recorded, classes) or tuple(classes))
+
+    def groups(order: Any) -> list[set[int]]:
+        cut = torch.tensor_split(torch.tensor(order or classes), len(tasks))
+        return [set(group.tolist()) for group in cut]
+
+    return groups(mine) == groups(resolve_class_order(recorded, classes))
 
 
 def options_text(value: Any) -> str:

@@ -48,10 +48,18 @@ DERIVED: Any = _Derived()
 
 
 def text(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """A non-empty string (a path, a name)."""
+    """A non-empty string (a path, a name). A list (a TOML file's ``class_order = [3, 1]``) is
+    told how the command line writes it: one comma-separated string."""
     if not isinstance(value, str) or not value:
+        hint = ""
+        if isinstance(value, list) and value:
+            written = ",".join(str(item) for item in value)
+            hint = (
+                f'; write a list as one string, comma-separated as on the command line: "{written}"'
+            )
         raise checks.WrongTypeError(
-            f"{checks.field_name(instance, attribute)} must be a non-empty string, got {value!r}"
+            f"{checks.field_name(instance, attribute)} must be a non-empty string, got "
+            f"{value!r}{hint}"
         )
 
 

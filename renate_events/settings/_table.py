@@ -121,7 +121,8 @@ _ALL = (
             "evaluate": {
                 "help": "with --scenario: the class order of the tasks, as run's --class-order "
                 "(default: the one the state folder's run recorded; sorted for a folder without a "
-                "record); a state folder's recorded order may only be repeated"
+                "record); a state folder's recorded order may only be repeated (by any order "
+                "making the same tasks)"
             }
         },
     ),

@@ -79,24 +79,37 @@ def max_epochs_of(updater: Any) -> tuple[int | None, dict[str, Any]]:
 
     ``trainer_kwargs['max_epochs']``, the earlier way to set the epochs, still sets them (with a
     :class:`DeprecationWarning` naming ``max_epochs``); given both ways with two values (and
-    ``max_epochs`` not left at its default), a :class:`ValueError`. The caller's dict is not
-    changed.
+    ``max_epochs`` not left at its default), a :class:`ValueError`, as for a value there that is
+    not a positive int or None (checked first). The caller's dict is not changed.
     """
     max_epochs, trainer_kwargs = updater.max_epochs, updater.trainer_kwargs
     default = attrs.fields(type(updater)).max_epochs.default
     if "max_epochs" not in trainer_kwargs:
         return max_epochs, trainer_kwargs
     given = trainer_kwargs["max_epochs"]
+    if given is not None and not (checks.is_int(given) and given >= 1):  # before comparing
+        error = ValueError if checks.is_int(given) else checks.WrongTypeError
+        raise error(
+            "ModelUpdater: trainer_kwargs['max_epochs'] must be a positive int or None, got "
+            f"{given!r}"
+        )
     if max_epochs != default and given != max_epochs:
         raise ValueError(
             f"ModelUpdater: max_epochs={max_epochs!r} and trainer_kwargs['max_epochs']={given!r} "
             "disagree; give the epochs once, as max_epochs (trainer_kwargs['max_epochs'] is "
             "deprecated)"
         )
+    # max_epochs at its default cannot be told from max_epochs left out: say what happens
+    if given == max_epochs:
+        what = f"max_epochs is {given!r} too: give the epochs once"
+    else:
+        what = (
+            f"the {given!r} given there is used, as max_epochs is at its default {default} "
+            "(the command line's --epochs)"
+        )
     warnings.warn(
         f"ModelUpdater: trainer_kwargs['max_epochs'] is deprecated; pass max_epochs={given!r} "
-        f"instead (left out, max_epochs is now {default} per update, the command line's "
-        "--epochs)",
+        f"instead ({what})",
         DeprecationWarning,
         stacklevel=_outside_level(),
     )

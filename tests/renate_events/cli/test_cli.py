@@ -103,6 +103,14 @@ def test_update_and_evaluate_through_state_folders(tmp_path, capsys):
     ("argv", "message"),
     [
         (["run", "--epochs", "0"], "--epochs must be >= 1"),
+        (  # optional in update (None: the input state's), worded as in run
+            [
+                *("update", "--input-state", "x", "--data", "d.npz", "--output-state", "y"),
+                "--epochs",
+                "0",
+            ],
+            "--epochs must be >= 1, got 0",
+        ),
         (["run", "--scenario", "imagenet"], "unknown --scenario 'imagenet'"),
         (
             ["evaluate", "--state", "/nonexistent", "--scenario", "split-digits"],

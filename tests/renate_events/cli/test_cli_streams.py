@@ -58,6 +58,20 @@ def test_a_class_order_list_is_recorded(tmp_path: pathlib.Path) -> None:
     assert run["class_groups"] == [[8, 9], [6, 7], [4, 5], [2, 3], [0, 1]]
 
 
+def test_a_toml_list_for_a_string_setting_says_how_to_write_it(tmp_path, capsys) -> None:
+    config = tmp_path / "c6.toml"
+    config.write_text("class_order = [3, 1]\n")
+    out = tmp_path / "out"
+    argv = ["run", "--config", str(config), "--output-dir", str(out), *FAST]
+    one_line_cli_error(
+        capsys,
+        argv,
+        "--class-order must be a non-empty string, got [3, 1]; write a list as one string, "
+        f'comma-separated as on the command line: "3,1" (in {config})',
+    )
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
@@ -67,7 +81,7 @@ def test_a_class_order_list_is_recorded(tmp_path: pathlib.Path) -> None:
         (["--scenario", "rotated-digits", "--class-order", "seed:1"], ["--class-order is for"]),
         (["--eval-every", "5"], ["--eval-every", "add --online"]),
         (["--online", "--epochs", "5"], ["--online trains one pass", "--epochs 5"]),
-        (["--online", "--eval-every", "0"], ["--eval-every must be a positive int"]),
+        (["--online", "--eval-every", "0"], ["--eval-every must be >= 1, got 0"]),
         (["--class-order", "1,2,3"], ["--class-order 1,2,3", "exactly once"]),
         (["--class-order", "a,b"], ["--class-order a,b: give seed:N"]),
         (["--class-order", "seed:x"], ["seed:N"]),

@@ -49,9 +49,18 @@ def test_evaluate_builds_the_tasks_the_run_recorded(run, capsys):
     assert [line.split()[3] for line in lines] == _last_row(run)  # the run's last evaluation
     # repeating the record, also as the list that seed:3 stands for, changes nothing
     order = ",".join(map(str, shuffled_classes(range(10), 3)))
-    for given in (["--seed", "2", "--class-order", "seed:3"], ["--class-order", order]):
+    # the same tasks (classes of each task as sets, in task order) in another permutation, too
+    pairs = shuffled_classes(range(10), 3)
+    swapped = ",".join(str(c) for i in range(0, 10, 2) for c in (pairs[i + 1], pairs[i]))
+    given_ways = (["--seed", "2", "--class-order", "seed:3"], ["--class-order", order])
+    for given in (*given_ways, ["--class-order", swapped]):
         argv = ["--state", str(state), "--scenario", "split-digits", *given]
         assert _accuracies(capsys, argv) == lines
+
+
+def _tasks_reversed(order: tuple[int, ...]) -> list[int]:
+    """The five tasks of ``order`` (two classes each) in reverse task order."""
+    return [c for i in range(8, -1, -2) for c in order[i : i + 2]]
 
 
 @pytest.mark.parametrize(
@@ -60,6 +69,10 @@ def test_evaluate_builds_the_tasks_the_run_recorded(run, capsys):
         (["--seed", "0"], ["--seed 0:", "with --seed 2 (its manifest records it)", "leave --seed"]),
         (["--class-order", "seed:4"], ["--class-order seed:4:", "with --class-order seed:3"]),
         (["--class-order", "0,1,2,3,4,5,6,7,8,9"], ["with --class-order seed:3"]),
+        (  # seed:3's tasks in another task order: other tasks
+            ["--class-order", ",".join(map(str, _tasks_reversed(shuffled_classes(range(10), 3))))],
+            ["with --class-order seed:3", "puts other classes in a task makes other tasks"],
+        ),
         (["--class-order", "1,2"], ["--class-order 1,2", "exactly once"]),
     ],
 )
@@ -152,6 +165,16 @@ def test_a_config_files_state_is_evaluated_on_a_data_file(tmp_path, capsys):
     bad = ["evaluate", *argv[:-1], str(tmp_path / "labels.npz")]
     one_line_cli_error(capsys, bad, f"--data {tmp_path / 'labels.npz'}: the test labels range")
     one_line_cli_error(capsys, ["evaluate", *argv, "--chunk-ids", "0"], "not both")
+    # inputs the model cannot take: the model's error and what to do
+    np.savez(tmp_path / "wide.npz", inputs=np.zeros((4, 9), np.float32), targets=np.zeros(4, int))
+    np.savez(tmp_path / "f64.npz", inputs=np.zeros((4, 8)), targets=np.zeros(4, int))
+    for name, fix in (
+        ("wide.npz", "the model rejected samples of the shape (9,): give inputs of the shape"),
+        ("f64.npz", "float64 (1, 8)"),
+        ("f64.npz", "; save the inputs as float32 or convert them in test_transform"),
+    ):
+        wrong = ["evaluate", *argv[:-1], str(tmp_path / name)]
+        one_line_cli_error(capsys, wrong, "the model fails on its inputs", fix)
     for other in (["--data", str(tmp_path / "new.npz")], ["--config-file", str(config)]):
         argv = ["evaluate", "--state", state, "--scenario", "split-digits", *other]
         one_line_cli_error(capsys, argv, f"--scenario and {other[0]}:")
@@ -168,3 +191,36 @@ def test_a_recorded_list_is_the_order_it_lists(run, tmp_path, capsys):
     shown = ",".join(map(str, order))
     refused = ["evaluate", *argv, "--class-order", "seed:4"]
     one_line_cli_error(capsys, refused, f"with --class-order {shown} (its manifest records it)")
+
+
+def _note(capsys, argv: list[str]) -> str:
+    """What ``evaluate argv`` prints on stderr (it exits 0)."""
+    capsys.readouterr()
+    assert main(["evaluate", *argv]) == 0
+    return capsys.readouterr().err
+
+
+def test_a_folder_without_the_record_says_which_tasks_it_used(run, tmp_path, capsys):
+    old = _without_record(run, tmp_path / "old")
+    argv = ["--state", old, "--scenario", "split-digits"]
+    err = _note(capsys, argv)
+    assert err.count("\n") == 1 and err.startswith("renate-events: note: ")
+    assert f"{old} records no seed or class order of its run" in err
+    assert "evaluating on --seed 0 and the sorted classes: give the run's with --seed and " in err
+    assert "--seed 2 and the sorted classes" in _note(capsys, [*argv, "--seed", "2"])
+    assert "--seed 0 and that --class-order" in _note(capsys, [*argv, "--class-order", "seed:3"])
+    assert _note(capsys, [*argv, "--seed", "2", "--class-order", "seed:3"]) == ""
+    # with the record, no note
+    assert (
+        _note(capsys, ["--state", str(run / "state" / "seed-2"), "--scenario", "split-digits"])
+        == ""
+    )
+
+
+def test_another_scenario_says_its_tasks_are_not_the_runs(run, capsys):
+    state = str(run / "state" / "seed-2")
+    err = _note(capsys, ["--state", state, "--scenario", "permuted-digits"])
+    assert err == (
+        f"renate-events: note: {state} was trained on --scenario split-digits, not "
+        "permuted-digits: these tasks (--seed 0 and the sorted classes) are not its run's\n"
+    )

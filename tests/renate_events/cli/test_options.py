@@ -88,3 +88,25 @@ def test_an_over_long_value_is_cut_in_its_one_line_error(capsys, tmp_path, argv,
     err = one_line_cli_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")][:-2], word)
     assert len(err) < 1_000 and "... (" in err and " characters)" in err, err
     assert not (tmp_path / "out").exists()
+
+
+PYTHON_CONFIG = "import torch\n\n\ndef model_fn():\n    return torch.nn.Linear(4, 2)\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "hint"),
+    [
+        ("my_config.py", PYTHON_CONFIG, True),
+        ("my_config.toml", PYTHON_CONFIG, True),  # parses as Python, defines a function
+        ("typo.py", "epochs = [\n", True),  # named .py
+        ("typo.toml", "epochs = x\n", False),  # parses as Python, a TOML mistake all the same
+        ("typo.toml", "epochs = [\n", False),
+    ],
+)
+def test_a_python_file_given_to_config_says_where_it_goes(tmp_path, capsys, name, text, hint):
+    path = tmp_path / name
+    path.write_text(text)
+    argv = ["run", "--config", str(path), "--output-dir", str(tmp_path / "out")]
+    err = one_line_cli_error(capsys, argv, f"{path} is not valid TOML: ")
+    assert err.endswith("; a Python config file goes to --config-file") == hint
+    assert not (tmp_path / "out").exists()

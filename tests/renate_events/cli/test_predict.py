@@ -256,8 +256,13 @@ def test_a_config_files_state_refuses_data_its_model_cannot_take(tmp_path, capsy
     err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "wide.npz"))
     assert f"--data {tmp_path / 'wide.npz'}: the test data: the model fails" in err
     assert "float32 (1, 5)" in err
+    assert err.strip().endswith(  # what to do, after the model's own error
+        "; the model rejected samples of the shape (5,): give inputs of the shape it takes (as "
+        "the config file's data_fn gives them), or reshape them in test_transform"
+    )
     err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "doubles.npz"))
     assert "float64" in err
+    assert err.strip().endswith("; save the inputs as float32 or convert them in test_transform")
     err = _bad(tmp_path, capsys, *args, "--data", str(tmp_path / "wide.npz"), "--chunk-id", "0")
     assert "--chunk-id 0 and --data" in err and "not both" in err
     err = _bad(tmp_path, capsys, "--state", state)

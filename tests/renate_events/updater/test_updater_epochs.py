@@ -148,3 +148,35 @@ def test_a_folder_that_recorded_no_epochs_keeps_one_epoch_per_update(tmp_path):
     (tmp_path / "a" / "manifest.json").write_text(json.dumps(manifest))
     kept = _cli_update(config, tmp_path / "a", tmp_path / "b", "--chunk-id", "1")
     assert kept["trainer"]["max_epochs"] is None and kept["history"][-1]["epochs"] == 1
+
+
+@pytest.mark.parametrize(
+    ("max_epochs", "words"),
+    [
+        (
+            10,
+            "pass max_epochs=2 instead (the 2 given there is used, as max_epochs is at its default",
+        ),
+        (2, "pass max_epochs=2 instead (max_epochs is 2 too: give the epochs once)"),
+    ],
+)
+def test_the_deprecation_warning_says_what_happens_when_max_epochs_is_given_too(max_epochs, words):
+    given = {"device": "cpu", "max_epochs": 2}
+    with pytest.warns(DeprecationWarning) as caught:
+        updater = _updater(max_epochs=max_epochs, trainer_kwargs=given)
+    assert words in str(caught[0].message) and "left out" not in str(caught[0].message)
+    assert updater.max_epochs == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(0, "got 0"), (-1, "got -1"), ("2", "got '2'"), (2.0, "got 2.0")]
+)
+def test_a_bad_trainer_kwargs_max_epochs_is_refused_before_it_is_compared(value, error):
+    given = {"device": "cpu", "max_epochs": value}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError) as refused:
+            _updater(max_epochs=2, trainer_kwargs=given)
+    assert str(refused.value) == (
+        "ModelUpdater: trainer_kwargs['max_epochs'] must be a positive int or None, " + error
+    )
