@@ -177,11 +177,11 @@ def creation_problem(target: str | os.PathLike[str], *, inside: str = "") -> str
     or None when it can: to find out before the work whose result it is to hold.
 
     The nearest existing folder above ``target`` must be a folder in which an entry can be
-    created: a uniquely named folder is made there and removed again (permission bits say
-    nothing to root, nor of ``/proc`` or a read-only mount). No name to create may be so long
-    that its :func:`temporary_sibling` is over the file system's ``NAME_MAX``, and the deepest
-    path (the target's sibling joined with ``inside``, whose names are the caller's own short
-    ones) not over ``PATH_MAX``.
+    created: a uniquely named folder is made there and removed again, and the folder's times
+    set back (permission bits say nothing to root, nor of ``/proc`` or a read-only mount). No
+    name to create may be so long that its :func:`temporary_sibling` is over the file system's
+    ``NAME_MAX``, and the deepest path (the target's sibling joined with ``inside``, whose names
+    are the caller's own short ones) not over ``PATH_MAX``.
 
     Args:
         target: The file or folder to write (it may exist: it is replaced through a sibling).
@@ -214,11 +214,14 @@ def creation_problem(target: str | os.PathLike[str], *, inside: str = "") -> str
             f"{len(os.fsencode(deepest))} bytes, and {path_max} are allowed"
         )
     probe = temporary_sibling(os.path.join(existing, created[0]), "probe")
+    times = os.stat(existing)
     try:
         os.mkdir(probe)
     except OSError as exc:
         return f"nothing can be created in {existing}: {exc.strerror or exc}"
     os.rmdir(probe)
+    with contextlib.suppress(OSError):  # the folder's times as they were: a check changes nothing
+        os.utime(existing, ns=(times.st_atime_ns, times.st_mtime_ns))
     return None
 
 

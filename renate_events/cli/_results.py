@@ -184,10 +184,6 @@ def check_output_dir(options: Any) -> dict[int, str | None]:
     out = os.path.abspath(options.output_dir)
     if os.path.lexists(out) and not os.path.isdir(out):
         raise UsageError(f"--output-dir {options.output_dir}: {out} is not a folder")
-    try:  # the deepest folder written; the folder above creates nothing, or a name is too long
-        check_writable(_state_folder(out, max(options.seeds, key=lambda seed: len(str(seed)))))
-    except StateFolderError as exc:
-        raise UsageError(f"--output-dir {options.output_dir}: {one_line(exc)}") from None
     for name in (*_RESULT_FILES, "state"):
         path = os.path.join(out, name)
         if os.path.islink(path) or (
@@ -197,6 +193,10 @@ def check_output_dir(options: Any) -> dict[int, str | None]:
                 f"--output-dir {options.output_dir}: {path} is in the way of the results"
             )
     _check_no_earlier_run(options, out)
+    try:  # the deepest folder written; the folder above creates nothing, or a name is too long
+        check_writable(_state_folder(out, max(options.seeds, key=lambda seed: len(str(seed)))))
+    except StateFolderError as exc:
+        raise UsageError(f"--output-dir {options.output_dir}: {one_line(exc)}") from None
     return {seed: state_token(_state_folder(out, seed)) for seed in options.seeds}
 
 
