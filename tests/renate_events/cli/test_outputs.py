@@ -126,3 +126,11 @@ def test_predict_refuses_an_unwritable_output_before_predicting(tmp_path, capsys
     if os.path.isdir("/proc"):
         one_line_cli_error(capsys, [*argv, "/proc/p.npz"], "nothing can be created in /proc")
     assert sorted(os.listdir(tmp_path)) == [".state.lock", "new.npz", "state"]
+
+
+@needs_proc
+def test_a_scratch_dir_in_which_nothing_can_be_created_is_refused(tmp_path, fits, capsys):
+    argv = ["update", "--config-file", QUICK, "--no-progress", "--buffer-storage", "mapped"]
+    argv += ["--output-state", str(tmp_path / "s"), "--scratch-dir", "/proc"]
+    one_line_cli_error(capsys, argv, "--scratch-dir /proc must be an existing folder that may be")
+    assert fits == [] and os.listdir(tmp_path) == []
