@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = [
     "FileLock",
     "LockFileError",
+    "creation_problem",
     "fsync_file",
     "fsync_folder",
     "host_name",
@@ -157,6 +158,75 @@ def remove_dead_writers_temporaries(path: str) -> None:
         if match and not _process_alive(int(match.group(1))):
             with contextlib.suppress(OSError):  # another saver removed it first
                 os.unlink(os.path.join(folder, entry))
+
+
+# -- whether a path can be created ---------------------------------------------------------------
+
+_LONGEST_TAG = "staging"  # the longest tag of a temporary_sibling made beside an output
+
+
+def _limit(folder: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):  # pragma: no cover - platforms without pathconf
+        return default
+
+
+def creation_problem(target: str | os.PathLike[str], *, inside: str = "") -> str | None:
+    """Why ``target`` (a file or folder, with any missing folders above it) cannot be written,
+    or None when it can: to find out before the work whose result it is to hold.
+
+    The nearest existing folder above ``target`` must be a folder in which an entry can be
+    created: a uniquely named folder is made there and removed again, and the folder's times
+    set back (permission bits say nothing to root, nor of ``/proc`` or a read-only mount). No
+    name to create may be so long that its :func:`temporary_sibling` is over the file system's
+    ``NAME_MAX``, and the deepest path (the target's sibling joined with ``inside``, whose names
+    are the caller's own short ones) not over ``PATH_MAX``.
+
+    Args:
+        target: The file or folder to write (it may exist: it is replaced through a sibling).
+        inside: The longest relative path written inside ``target`` (a folder), if any.
+
+    Returns:
+        One sentence naming the path at fault and the reason, or None.
+    """
+    path = os.path.abspath(os.fspath(target))
+    existing = os.path.dirname(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a folder"
+    created = os.path.relpath(path, existing).split(os.sep)
+    deepest = temporary_sibling(path, _LONGEST_TAG)  # the name longer than the target's
+    extra = len(os.fsencode(os.path.basename(deepest))) - len(os.fsencode(created[-1]))
+    name_max = _limit(existing, "PC_NAME_MAX", 255)
+    for name in created:  # each may be made through a temporary sibling
+        if len(os.fsencode(name)) > name_max - extra:
+            return (
+                f"the name {_shown(name)} is {len(os.fsencode(name))} bytes long; {name_max} are "
+                f"allowed, less {extra} for the temporary name made beside it"
+            )
+    deepest = os.path.join(deepest, inside) if inside else deepest
+    path_max = _limit(existing, "PC_PATH_MAX", 4096) - 1  # PATH_MAX counts the final NUL
+    if len(os.fsencode(deepest)) > path_max:
+        return (
+            f"the path {_shown(path)} is too long: what is written there has paths of "
+            f"{len(os.fsencode(deepest))} bytes, and {path_max} are allowed"
+        )
+    probe = temporary_sibling(os.path.join(existing, created[0]), "probe")
+    times = os.stat(existing)
+    try:
+        os.mkdir(probe)
+    except OSError as exc:
+        return f"nothing can be created in {existing}: {exc.strerror or exc}"
+    os.rmdir(probe)
+    with contextlib.suppress(OSError):  # the folder's times as they were: a check changes nothing
+        os.utime(existing, ns=(times.st_atime_ns, times.st_mtime_ns))
+    return None
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= 60 else f"{name[:40]}...{name[-12:]}"
 
 
 # -- locks -----------------------------------------------------------------------------------------

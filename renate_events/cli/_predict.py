@@ -24,7 +24,7 @@ from renate_events.cli._options import PredictOptions, check_options
 from renate_events.cli._updaters import scratch_setting, updater_from_folder
 from renate_events.inference import inference, outputs_in_batches
 from trainer.data import resolve_device
-from trainer.files import fsync_file, fsync_folder, temporary_sibling
+from trainer.files import creation_problem, fsync_file, fsync_folder, temporary_sibling
 
 __all__ = ["OUTPUT_SUFFIXES", "predict", "write_predictions"]
 
@@ -135,6 +135,9 @@ def _check_output(path: str | None) -> None:
         raise UsageError(f"--output {path}: no folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--output {path}: the folder {folder} may not be written")
+    problem = creation_problem(path)  # what permission bits do not tell: /proc, a long name
+    if problem is not None:
+        raise UsageError(f"--output {path} cannot be written: {problem}; choose another file")
 
 
 def write_predictions(

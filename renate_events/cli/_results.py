@@ -17,7 +17,12 @@ import torch
 
 from renate_events.anytime import plot_curves
 from renate_events.cli._errors import UsageError, one_line
-from renate_events.state_folder import StagedStateFolder, state_token
+from renate_events.state_folder import (
+    StagedStateFolder,
+    StateFolderError,
+    check_writable,
+    state_token,
+)
 from renate_events.updater import ModelUpdater
 from trainer import CheckpointError
 from trainer.files import fsync_file, fsync_folder, temporary_sibling
@@ -177,12 +182,8 @@ def check_output_dir(options: Any) -> dict[int, str | None]:
         The :func:`~renate_events.updater.state_token` of every seed's state folder.
     """
     out = os.path.abspath(options.output_dir)
-    existing = out
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a folder" if not os.path.isdir(existing) else "is not writable"
-        raise UsageError(f"--output-dir {options.output_dir}: {existing} {what}")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output-dir {options.output_dir}: {out} is not a folder")
     for name in (*_RESULT_FILES, "state"):
         path = os.path.join(out, name)
         if os.path.islink(path) or (
@@ -192,6 +193,10 @@ def check_output_dir(options: Any) -> dict[int, str | None]:
                 f"--output-dir {options.output_dir}: {path} is in the way of the results"
             )
     _check_no_earlier_run(options, out)
+    try:  # the deepest folder written; the folder above creates nothing, or a name is too long
+        check_writable(_state_folder(out, max(options.seeds, key=lambda seed: len(str(seed)))))
+    except StateFolderError as exc:
+        raise UsageError(f"--output-dir {options.output_dir}: {one_line(exc)}") from None
     return {seed: state_token(_state_folder(out, seed)) for seed in options.seeds}
 
 

@@ -17,6 +17,7 @@ from renate_events.choices import TRACKERS
 from renate_events.cli._errors import UsageError, one_line
 from renate_events.updater import ModelUpdater
 from trainer import MissingPackageError
+from trainer.files import creation_problem
 from trainer.listeners import ExperimentTracker
 
 __all__ = [
@@ -49,6 +50,21 @@ def _check_tracker_options(options: Any) -> None:
         )
 
 
+_FIRST_ENTRY = {"mlflow": "mlflow.db", "wandb": "wandb"}  # else: the run's folder
+"""What each tracker first creates in its folder."""
+
+
+def _check_tracker_folder(options: Any, folder: str, name: str) -> None:
+    """Refuse, before anything trains, a tracker folder in which nothing can be created."""
+    problem = creation_problem(os.path.join(folder, _FIRST_ENTRY.get(options.tracker, name)))
+    if problem is not None:
+        flag = "--tracker-dir" if options.tracker_dir else "the tracker's folder (--tracker-dir)"
+        raise UsageError(
+            f"{flag} {folder} cannot be written: {problem}; nothing was written: choose "
+            "another --tracker-dir"
+        )
+
+
 def make_tracker(options: Any, output: str, suffix: str = "") -> ExperimentTracker | None:
     """The tracker of ``--tracker`` (None without it), its run not open yet; a package that is
     missing is one line here, before anything trains.
@@ -63,6 +79,8 @@ def make_tracker(options: Any, output: str, suffix: str = "") -> ExperimentTrack
         return None
     folder = options.tracker_dir or default_tracker_dir(output)
     name = (options.tracker_run_name or os.path.basename(os.path.normpath(output))) + suffix
+    if options.tracking_uri is None:
+        _check_tracker_folder(options, folder, name)
     try:
         kind = TRACKERS[options.tracker]
         if options.tracker == "mlflow":

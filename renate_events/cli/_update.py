@@ -29,7 +29,7 @@ from renate_events.cli._updaters import (
 )
 from renate_events.cli._zoo import check_same_model
 from renate_events.settings import setting
-from renate_events.state_folder import read_manifest
+from renate_events.state_folder import check_writable, read_manifest
 from renate_events.updater import check_config_file
 
 __all__ = ["update"]
@@ -38,6 +38,7 @@ __all__ = ["update"]
 def update(values: dict[str, Any], from_file: frozenset[str]) -> int:
     """``renate-events update``: train the input state on new data, write the output state."""
     options = check_options(UpdateOptions, values, from_file)
+    check_writable(options.output_state)  # before anything is read or trained (also --search)
     if options.config_file is not None:
         return _update_from_config(options, values, from_file)
     if options.data is None or options.input_state is None:

@@ -25,6 +25,7 @@ from renate_events.state_folder.manifest import CHECKPOINT
 from renate_events.updater import ModelUpdater, UpdateInputError, check_kept_settings
 from trainer.capture import graph_device_problem
 from trainer.checkpoint import read_checkpoint
+from trainer.files import creation_problem
 
 __all__ = [
     "config_updater",
@@ -260,6 +261,11 @@ def scratch_setting(options: Any) -> dict[str, Any]:
         return {}
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--scratch-dir {folder} must be an existing folder that may be written")
+    problem = creation_problem(os.path.join(folder, "buffer"))  # what access() hides from root
+    if problem is not None:
+        raise UsageError(
+            f"--scratch-dir {folder} must be an existing folder that may be written: {problem}"
+        )
     return {"buffer_folder": folder}
 
 

@@ -62,7 +62,12 @@ from renate_events.state_folder.errors import (
 )
 from renate_events.state_folder.locks import folder_key, read_manifest, state_token
 from renate_events.state_folder.manifest import FORMAT_NAME, FORMAT_VERSION
-from renate_events.state_folder.swap import StagedStateFolder, stage, write_state_folder
+from renate_events.state_folder.swap import (
+    StagedStateFolder,
+    check_writable,
+    stage,
+    write_state_folder,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -72,6 +77,7 @@ __all__ = [
     "StateFolderConflictError",
     "StateFolderError",
     "StateFolderOverwriteError",
+    "check_writable",
     "folder_key",
     "read_manifest",
     "stage",

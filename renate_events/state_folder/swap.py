@@ -19,19 +19,37 @@ from safetensors import SafetensorError
 
 from renate_events.learners import BaseExperienceReplayLearner
 from renate_events.state_folder.contents import write_contents
-from renate_events.state_folder.errors import StateFolderConflictError
+from renate_events.state_folder.errors import StateFolderConflictError, StateFolderError
 from renate_events.state_folder.locks import acquire, folder_key, read_consistent, token_of
 from renate_events.state_folder.recovery import recover
 from trainer import CheckpointError
-from trainer.files import FileLock, fsync_folder, temporary_sibling
+from trainer.files import FileLock, creation_problem, fsync_folder, temporary_sibling
 
 __all__ = [
     "StagedStateFolder",
+    "check_writable",
     "stage",
     "write_state_folder",
 ]
 
 _WRITE_ERRORS = (OSError, CheckpointError, SafetensorError)
+_LONGEST_ENTRY = "buffer.g" + "0" * 18 + ".0000.bin"  # the longest name a state folder holds
+
+
+def check_writable(folder: str | os.PathLike[str]) -> None:
+    """Refuse, before any work, a state folder that could not be written: the folder above it
+    allows no new entry (``/proc``, a read-only mount, under a file) or a name or the path is
+    too long (:func:`trainer.files.creation_problem`). Nothing is left behind.
+
+    Raises:
+        StateFolderError: ``folder`` cannot be written; the message says why.
+    """
+    problem = creation_problem(folder, inside=_LONGEST_ENTRY)
+    if problem is not None:
+        raise StateFolderError(
+            f"the state folder {folder} cannot be written: {problem}; nothing was written: "
+            "choose another folder"
+        )
 
 
 def _write_failed(folder: str, exc: BaseException) -> CheckpointError:

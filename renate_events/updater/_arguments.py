@@ -20,7 +20,7 @@ from renate_events.choices import (
     trainer_arguments,
 )
 from renate_events.methods import LEARNERS, learner_arguments, method
-from renate_events.state_folder import StateFolderError, folder_key
+from renate_events.state_folder import StateFolderError, check_writable, folder_key
 from trainer import validators as checks
 from trainer.capture import check_capture_device
 
@@ -219,7 +219,8 @@ def check_output_folder(
     output: str, input_state_folder: str | os.PathLike[str] | None, in_place: bool
 ) -> None:
     """The output folder (a :func:`~renate_events.state_folder.folder_key`) is not the input
-    (unless ``in_place``) nor inside it."""
+    (unless ``in_place``) nor inside it, and can be written
+    (:func:`~renate_events.state_folder.check_writable`)."""
     source = None if input_state_folder is None else folder_key(input_state_folder)
     if output == source and not in_place:
         raise StateFolderError(
@@ -230,3 +231,4 @@ def check_output_folder(
         raise StateFolderError(
             f"output_state_folder {output} is inside the input_state_folder {source}"
         )
+    check_writable(output)

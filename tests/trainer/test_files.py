@@ -1,5 +1,6 @@
 """``trainer.files``: the lock file of a :class:`FileLock` is a plain file, never a link followed
-or a folder locked."""
+or a folder locked; :func:`creation_problem` tells before the work whether an output can be
+created."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import pytest
 
-from trainer.files import FileLock, LockFileError, lock_path
+from trainer.files import FileLock, LockFileError, creation_problem, lock_path
 
 
 def _tree(root):
@@ -63,3 +64,24 @@ def test_anything_but_a_plain_file_at_the_lock_path_is_refused(tmp_path, kind, s
     assert isinstance(raised.value, OSError) and len(str(raised.value).splitlines()) == 1
     assert not lock.held
     assert _tree(tmp_path) == before  # nothing created, nothing changed
+
+
+def test_creation_problem_names_what_would_fail_and_leaves_nothing(tmp_path):
+    name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
+    (tmp_path / "afile").write_text("mine")
+    os.utime(tmp_path, ns=(10**18, 10**18))
+    assert creation_problem(tmp_path / "new" / "deeper" / "out", inside="state/x") is None
+    assert os.stat(tmp_path).st_mtime_ns == 10**18  # the probe's folder's times set back
+    assert creation_problem(tmp_path / "afile") is None  # replaced through a sibling
+    assert creation_problem(tmp_path / "afile" / "out") == f"{tmp_path / 'afile'} is not a folder"
+    too_long = creation_problem(tmp_path / ("n" * (name_max + 1)))
+    assert too_long.startswith("the name nnnn") and f"{name_max + 1} bytes long" in too_long
+    no_room = creation_problem(tmp_path / ("n" * name_max) / "out")  # a folder above, too
+    assert f"{name_max} are allowed, less 26 for the temporary name" in no_room
+    deep = tmp_path / os.path.join(*["p" * 200] * 25)
+    assert "is too long" in creation_problem(deep)
+    inside = "x/" * 2100  # short names, but the deepest path written is over PATH_MAX
+    assert "is too long" in creation_problem(tmp_path / "out", inside=inside)
+    if os.path.isdir("/proc"):  # nothing can be created there, also by root
+        assert creation_problem("/proc/forbidden/out").startswith("nothing can be created in /proc")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]  # no probe left, no folder created

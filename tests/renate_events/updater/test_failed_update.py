@@ -174,3 +174,17 @@ def test_a_learner_fit_that_failed_leaves_no_trace(tmp_path, name, where):
     assert_same_tree(
         _tree(fresh, tmp_path / "a.safetensors"), _tree(retried, tmp_path / "b.safetensors")
     )
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    from renate_events.state_folder import StateFolderError
+
+    fits = []
+    monkeypatch.setattr(Trainer, "fit", lambda *args, **kwargs: fits.append(1))
+    (tmp_path / "afile").write_text("mine")
+    updater = _updater("er", "memory", _Fail(), output_state_folder=tmp_path / "afile" / "s")
+    before = {k: v.clone() for k, v in updater.model.state_dict().items()}
+    with pytest.raises(StateFolderError, match=r"afile is not a folder; nothing was written"):
+        updater.update(_data(0), task_id="a")
+    assert fits == [] and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert all(torch.equal(before[k], v) for k, v in updater.model.state_dict().items())
