@@ -3,6 +3,7 @@ with the method's own classifier), which ``run`` evaluates too."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -169,6 +170,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         raise UsageError("--chunk-ids needs --config-file")
     if options.data is not None:
         data = load_data_file(options.data)
+        note = None
     else:
         scenario_variants(options)  # --class-order checked before the state is read
     updater, spec = updater_from_folder(options.state, **scratch_setting(options))
@@ -177,7 +179,7 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
         classes = tuple(sorted(set(data.tensors[1].tolist())))
         tasks = [Task(task_id=0, train=data, test=data, classes=classes)]
     else:  # the tasks the state's run trained on, as its manifest records them
-        tasks = evaluation_tasks(options.state, updater.metadata, options)
+        tasks, note = evaluation_tasks(options.state, updater.metadata, options)
         for task in tasks:  # every task's labels: a later task may exceed the model's classes
             fitted(f"--scenario {options.scenario}", task.test, spec)
     # the data checked first: the classifier's line is printed only for an evaluation that runs
@@ -187,6 +189,8 @@ def evaluate(values: dict[str, Any], from_file: frozenset[str]) -> int:
     for task, accuracy in zip(tasks, accuracies):
         print(f"task {task.task_id}: accuracy {accuracy:.4f} ({len(task.test)} samples)")
     print(f"average accuracy {sum(accuracies) / len(accuracies):.4f}")
+    if note is not None:  # after the evaluation: a refusal before it stays one line
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -7,7 +7,6 @@ import inspect
 import itertools
 import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -338,17 +337,20 @@ def _checked_record(path: str, record: Any) -> dict[str, Any]:
     return record
 
 
-def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> list[Any]:
-    """The tasks ``evaluate --scenario`` evaluates on: with the seed and the variants the state
-    folder's run recorded for that scenario (``--seed`` and ``--class-order`` may only repeat
-    them: a class order only needs to make the same tasks), else with the options' (default
-    seed 0: a folder written before the record, or a run of another scenario; a note on stderr
-    says so)."""
+def evaluation_tasks(
+    state: str, metadata: Mapping[str, Any], options: Any
+) -> tuple[list[Any], str | None]:
+    """The tasks ``evaluate --scenario`` evaluates on, and a note for stderr or None: with the
+    seed and the variants the state folder's run recorded for that scenario (``--seed`` and
+    ``--class-order`` may only repeat them: a class order only needs to make the same tasks),
+    else with the options' (default seed 0: a folder written before the record, or a run of
+    another scenario; the note says so). The caller prints the note once the evaluation ran, so
+    that a refusal stays one line."""
     given = scenario_variants(options)
     if metadata.get("scenario") != options.scenario or SCENARIO_ARGS not in metadata:
         seed = setting("seed").default if options.seed is None else options.seed
-        _note_unrecorded(state, metadata.get("scenario"), options, seed)
-        return scenario_tasks(options.scenario, options.data_dir, seed, given)
+        note = _unrecorded_note(state, metadata.get("scenario"), options, seed)
+        return scenario_tasks(options.scenario, options.data_dir, seed, given), note
     record = _checked_record(os.path.join(state, "manifest.json"), metadata[SCENARIO_ARGS])
     trained = f"{state} was trained on --scenario {options.scenario}"
     if options.seed is not None and options.seed != record["seed"]:
@@ -374,14 +376,14 @@ def evaluation_tasks(state: str, metadata: Mapping[str, Any], options: Any) -> l
             "records it); an order that puts other classes in a task makes other tasks: leave "
             "--class-order out"
         )
-    return tasks
+    return tasks, None
 
 
-def _note_unrecorded(state: str, trained: Any, options: Any, seed: int) -> None:
-    """One note on stderr where ``evaluate --scenario`` cannot build the run's tasks: the state
-    folder's run was of another scenario, or the folder records no seed and class order (written
-    before they were recorded) and the options leave one of them out. Not an error: the
-    evaluation runs on the tasks the note names."""
+def _unrecorded_note(state: str, trained: Any, options: Any, seed: int) -> str | None:
+    """The note where ``evaluate --scenario`` cannot build the run's tasks: the state folder's
+    run was of another scenario, or the folder records no seed and class order (written before
+    they were recorded) and the options leave one of them out. Not an error: the evaluation runs
+    on the tasks the note names."""
     order = "the sorted classes" if options.class_order is None else "that --class-order"
     used = f"--seed {seed} and {order}"
     if trained is not None and trained != options.scenario:
@@ -395,8 +397,8 @@ def _note_unrecorded(state: str, trained: Any, options: Any, seed: int) -> None:
             f"recorded); evaluating on {used}: give the run's with --seed and --class-order"
         )
     else:
-        return
-    print(f"renate-events: note: {text}", file=sys.stderr)
+        return None
+    return f"renate-events: note: {text}"
 
 
 def _same_tasks(text: str, given: Any, recorded: Any, tasks: Sequence[Any]) -> bool:
