@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from renate_events.cli._errors import UsageError, one_line
-from renate_events.learners import check_split
+from renate_events.learners import ModelRefusedError, check_split
 
 __all__ = [
     "config_fitted",
@@ -181,29 +181,20 @@ def config_fitted(
     is one line naming the file."""
     try:
         check_split(learner, data, "test")
+    except ModelRefusedError as exc:  # the model failed on the inputs: say what to do
+        fix = _refused_fix(exc.batch, learner)
+        raise UsageError(f"{what}: {one_line(exc)}" + (f"; {fix}" if fix else "")) from None
     except ValueError as exc:
-        message = one_line(exc)
-        # learners.model_refused's words: the model failed on the inputs, say what to do
-        fix = _refused_fix(data.tensors[0], learner) if "the model fails on" in message else ""
-        message += f"; {fix}" if fix else ""
-        raise UsageError(f"{what}: {message}") from None
+        raise UsageError(f"{what}: {one_line(exc)}") from None
     return data
 
 
-def _refused_fix(inputs: torch.Tensor, learner: Any) -> str:
-    """What to do when a config file's model fails on a data file's inputs (as its
-    ``test_transform`` makes them): another floating dtype than the model's is saved as the
+def _refused_fix(sample: torch.Tensor, learner: Any) -> str:
+    """What to do when a config file's model fails on a data file's inputs (``sample``: as its
+    ``test_transform`` made them): another floating dtype than the model's is saved as the
     model's, else the shape is the model's to match; empty for integer inputs to a floating
     model (the refusal names the transform to define)."""
-    sample = inputs[:1]
-    if learner.test_transform is not None:
-        try:  # runs only on a refusal; the transform's own failure was said already
-            sample = learner.probe_transform("test_transform", sample)
-        except Exception:  # the raw inputs then say what can be said
-            sample = inputs[:1]
     weights = [p.dtype for p in learner.model.parameters() if p.dtype.is_floating_point]
-    if not isinstance(sample, torch.Tensor):
-        return "make test_transform give a tensor the model takes"
     if weights and not sample.dtype.is_floating_point:
         return ""
     if weights and sample.dtype != weights[0]:

@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from renate_events.learners.base import BaseExperienceReplayLearner
 from renate_events.learners.batches import buffer_loader, refuse_task_data, unpack, unpack_task
-from renate_events.learners.checks import TRANSFORM_EXAMPLE, DataChecks, check_task_ids
+from renate_events.learners.checks import (
+    TRANSFORM_EXAMPLE,
+    DataChecks,
+    ModelRefusedError,
+    check_task_ids,
+)
 from renate_events.learners.filling import BUFFER_FILLINGS, BufferFilling, buffer_metadata
 from renate_events.learners.loaded import LoadLimits, loading_limits
 from renate_events.learners.seeding import derived_seed, reset_parameters, rng_kept
@@ -48,6 +53,7 @@ __all__ = [
     "DataChecks",
     "FailedUpdateUndo",
     "LoadLimits",
+    "ModelRefusedError",
     "ReplayOnlyForMemoryLosses",
     "ReplayStep",
     "SampleList",

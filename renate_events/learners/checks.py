@@ -20,6 +20,7 @@ from trainer import validators
 __all__ = [
     "TRANSFORM_EXAMPLE",
     "DataChecks",
+    "ModelRefusedError",
     "check_task_ids",
     "model_refused",
     "output_classes",
@@ -46,6 +47,15 @@ def check_task_ids(task_ids: Any, size: int, where: str) -> None:
             f"dtype {task_ids.dtype} and shape {tuple(task_ids.shape)}; convert them with "
             "torch.as_tensor(ids, dtype=torch.int64)"
         )
+
+
+class ModelRefusedError(ValueError):
+    """A model failing on a split's inputs, in :func:`model_refused`'s words; ``batch`` holds the
+    inputs as the model was given them (after the transform), for a caller's advice."""
+
+    def __init__(self, message: str, batch: torch.Tensor) -> None:
+        super().__init__(message)
+        self.batch = batch
 
 
 def model_refused(learner: Any, name: str, batch: torch.Tensor, split: str, exc: Exception) -> str:
@@ -210,8 +220,8 @@ class DataChecks:
                 except (
                     Exception
                 ) as exc:  # the model refuses the sample: said as check_split says it
-                    raise ValueError(
-                        model_refused(self, "train_transform", probe, "training", exc)
+                    raise ModelRefusedError(
+                        model_refused(self, "train_transform", probe, "training", exc), probe
                     ) from None
         finally:
             self.model.train(was_training)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from renate_events.inference import inference, model_device
-from renate_events.learners.checks import model_refused, output_classes
+from renate_events.learners.checks import ModelRefusedError, model_refused, output_classes
 from renate_events.learners.seeding import rng_kept
 from renate_events.memory import BufferDataset
 from renate_events.models import MultiHeadClassificationModel
@@ -198,7 +198,8 @@ def _try_transform(
         try:
             outputs = learner._forward(batch, ids)
         except Exception as exc:
-            raise ValueError(model_refused(learner, name, batch, split, exc)) from None
+            message = model_refused(learner, name, batch, split, exc)
+            raise ModelRefusedError(message, batch) from None
     return signature, outputs
 
 
