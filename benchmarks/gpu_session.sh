@@ -15,7 +15,13 @@ OUT="${OUT:-gpu_out}"
 STAGES="${STAGES:-tests check suite}"
 has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # A stage stopped by its time limit says so (its log ends where it was cut, without a total).
-cut() { [ "$1" = 124 ] && echo "== $2 stopped at its time limit ($3 s): what is above is partial"; }
+# The script exits with the last failing stage's status (0 when every stage passed).
+STATUS=0
+note_cut() {
+    if [ "$1" = 124 ]; then echo "== $2 stopped at its time limit ($3 s): what is above is partial"; fi
+    if [ "$1" != 0 ]; then STATUS="$1"; fi
+    return 0
+}
 mkdir -p "$OUT"
 if [ -d .whl ] && [ -z "$DRY" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -42,12 +48,12 @@ if [ -z "$DRY" ] && has tests; then
     echo "== pytest -m gpu"
     timeout "${GPU_TESTS_S:-240}" $PY -m pytest -v -p no:cacheprovider -m gpu -rfEs \
         ${XDIST_OK:+-n 6} 2>&1 | tee "$OUT/pytest_gpu.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
-    cut "${PIPESTATUS[0]}" "pytest -m gpu" "${GPU_TESTS_S:-240}"
+    note_cut "${PIPESTATUS[0]}" "pytest -m gpu" "${GPU_TESTS_S:-240}"
 fi
 if has check; then
     echo "== gpu_check.py $DRY"
     timeout "$CHECK_S" $PY benchmarks/gpu_check.py $DRY ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.txt" | tail -80
-    cut "${PIPESTATUS[0]}" "gpu_check.py" "$CHECK_S"
+    note_cut "${PIPESTATUS[0]}" "gpu_check.py" "$CHECK_S"
 fi
 if [ -z "$DRY" ] && has suite; then
     echo "== the whole suite"
@@ -57,5 +63,6 @@ if [ -z "$DRY" ] && has suite; then
     # -v logs each result as it comes, so failures are known even if the time limit cuts the run
     timeout "$SUITE_S" $PY -m pytest -v -p no:cacheprovider $XDIST -rfE -W ignore 2>&1 \
         | tee "$OUT/suite.txt" | grep -E "(FAILED|ERROR) |passed|failed" | tail -40
-    cut "${PIPESTATUS[0]}" "the whole suite" "$SUITE_S"
+    note_cut "${PIPESTATUS[0]}" "the whole suite" "$SUITE_S"
 fi
+exit "$STATUS"
