@@ -288,7 +288,7 @@ def optimizer_stepper(mode: str, optimizer: torch.optim.Optimizer) -> Callable[.
         # a compiled step keeps its optimizer's state alive: one of a dead optimizer is dropped
         reset = not live or len(live) < len(_STEPPERS) or len(live) >= _KEPT_STEPPERS
         if reset:  # every compiled step is dropped: the live optimizers' compile theirs again
-            _STEPPERS[:] = live[len(live) - _KEPT_STEPPERS + 1 :]
+            _STEPPERS[:] = live[-(_KEPT_STEPPERS - 1) :]  # with the new one: at most four
         stepper = CompiledOptimizerStep(optimizer, reset=reset)
         _STEPPERS.append(stepper)
         return stepper
