@@ -216,11 +216,11 @@ def check_buffer(learner: str, buffer: str, buffer_storage: str) -> None:
 
 
 def check_output_folder(
-    output: str, input_state_folder: str | os.PathLike[str] | None, in_place: bool
+    output: str, input_state_folder: str | os.PathLike[str] | None, in_place: bool, probe: bool
 ) -> None:
     """The output folder (a :func:`~renate_events.state_folder.folder_key`) is not the input
-    (unless ``in_place``) nor inside it, and can be written
-    (:func:`~renate_events.state_folder.check_writable`)."""
+    (unless ``in_place``) nor inside it, and, with ``probe`` (once, before an update trains),
+    can be written (:func:`~renate_events.state_folder.check_writable`)."""
     source = None if input_state_folder is None else folder_key(input_state_folder)
     if output == source and not in_place:
         raise StateFolderError(
@@ -231,4 +231,5 @@ def check_output_folder(
         raise StateFolderError(
             f"output_state_folder {output} is inside the input_state_folder {source}"
         )
-    check_writable(output)
+    if probe:
+        check_writable(output)

@@ -332,7 +332,7 @@ class ModelUpdater:
         train_dataset = pair_as_dataset(train_dataset, "train_dataset")
         val_dataset = pair_as_dataset(val_dataset, "val_dataset")
         learner = self.learner_instance
-        self._expected_output()  # checks the output folder, remembers what it holds now
+        self._expected_output(probe=True)  # checks the output folder, remembers what it holds
         probe = InputProbe(self.collate_fn, self.transforms, self.metrics, self.config_file)
         signature = probe.check(learner, train_dataset, "the training data", lambda: self.history)
         check_buffer_room(learner, signature)
@@ -462,12 +462,12 @@ class ModelUpdater:
 
     # -- the state folders ---------------------------------------------------------------------
 
-    def _expected_output(self) -> str | None:
-        """Check the output folder before training; remember what it holds now."""
+    def _expected_output(self, probe: bool = False) -> str | None:
+        """Check the output folder (``probe``: that it can be written); remember what it holds."""
         if self.output_state_folder is None:
             return None
         output = folder_key(self.output_state_folder)
-        check_output_folder(output, self.input_state_folder, self.in_place)
+        check_output_folder(output, self.input_state_folder, self.in_place, probe)
         if output not in self._seen:
             self._seen[output] = output_token(
                 output, self._manifest, self.overwrite, self.lock_timeout
